@@ -1,0 +1,449 @@
+"""The policy: one Flax NNX decoder LM for the Llama and Qwen2 families.
+
+GQA attention with RoPE (default, linear and Llama-3 scaling), RMSNorm, SwiGLU MLP, optional QKV bias (Qwen2),
+tied or untied embeddings. Module and parameter names mirror Hugging Face's, e.g.
+``model.layers.3.self_attn.q_proj.kernel`` is the transpose of HF's ``model.layers.3.self_attn.q_proj.weight``.
+
+Two ways to run it:
+
+* teacher-forced over right-padded rows: ``hidden, _ = model.forward(tokens, positions)``;
+* against a KV cache (sampling): ``hidden, cache = model.forward(tokens, positions, cache=cache)`` writes each
+  row's new keys/values at that row's own length (``cache.lengths``) and attends to everything before.
+
+Attention is causal by cache slot; rows are right-padded, so a real token never sees a padding slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from agentgym_jax import sharding
+from agentgym_jax.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def to_dtype(name: Any) -> Any:
+    """``"float32"``/``"bfloat16"`` (or a jnp dtype) to a jnp dtype, with a clear error for anything else."""
+    if not isinstance(name, str):
+        return jnp.dtype(name)
+    if name not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and numerics of a decoder LM; built from a Hugging Face ``config.json`` dict."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable copy of HF's rope parameters
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+    remat: bool = False  # rematerialize each decoder layer in the backward pass
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
+        """Builds a config from a Hugging Face config dict, rejecting architectures we do not implement."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported architecture model_type={model_type!r} (architectures={hf.get('architectures')}); "
+                f"agentgym-jax implements {SUPPORTED_MODEL_TYPES} (Llama, SmolLM2, Llama-3, Qwen2, Qwen2.5)"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported hidden_act={hf.get('hidden_act')!r}; only 'silu' (SwiGLU) is implemented")
+        if model_type == "qwen2" and hf.get("use_sliding_window", False):
+            raise ConfigError("Qwen2 sliding-window attention is not implemented; set use_sliding_window=false")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf]
+        if missing:
+            raise ConfigError(f"config.json lacks required keys {missing}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"unsupported rope type {rope_type!r}; implemented: {SUPPORTED_ROPE_TYPES}")
+        rope["rope_type"] = rope_type
+        rope.pop("type", None)
+        heads = int(hf["num_attention_heads"])
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        fields = dict(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=None if rope_type == "default" else tuple(sorted(rope.items())),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=hf.get("pad_token_id"),
+        )
+        fields.update(overrides)
+        config = cls(**fields)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raises a clear error for inconsistent sizes or dtypes."""
+        to_dtype(self.param_dtype), to_dtype(self.dtype)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` dict of this architecture."""
+        rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
+        hf: dict[str, Any] = dict(
+            model_type=self.model_type,
+            architectures=["LlamaForCausalLM" if self.model_type == "llama" else "Qwen2ForCausalLM"],
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            torch_dtype=self.param_dtype,
+        )
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = rope
+        if self.model_type == "llama":
+            hf.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        else:
+            hf.update(use_sliding_window=False)
+        return hf
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids as a tuple (possibly empty)."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
+    def num_params(self) -> int:
+        """Parameter count (matching Hugging Face's count for the same architecture)."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * h, self.num_key_value_heads * h
+        attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_hidden_layers * layer + d + head
+
+
+# ----------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
+    """Per-pair inverse frequencies [head_dim // 2], with linear or Llama-3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if config.rope_scaling is None:
+        return inv_freq
+    rope = dict(config.rope_scaling)
+    factor = float(rope.get("factor", 1.0))
+    if rope["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    original = float(rope["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates ``x`` [B, S, heads, H] by ``positions`` [B, S] (HF's rotate-half layout)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, S, H/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------- KV cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer keys/values [B, T, K, H] and each row's filled length [B] (its next write slot)."""
+
+    keys: list[jax.Array]
+    values: list[jax.Array]
+    lengths: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> "KVCache":
+        """An empty cache of ``length`` slots per row, in ``dtype`` (default: the compute dtype)."""
+        dtype = to_dtype(dtype or config.dtype)
+        shape = (batch, length, config.num_key_value_heads, config.head_dim)
+        zeros = lambda: sharding.constrain(jnp.zeros(shape, dtype), "kv_cache")
+        return cls(
+            keys=[zeros() for _ in range(config.num_hidden_layers)],
+            values=[zeros() for _ in range(config.num_hidden_layers)],
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row."""
+        return self.keys[0].shape[1]
+
+    @staticmethod
+    def nbytes(config: ModelConfig, batch: int, length: int, dtype: Any = None) -> int:
+        """Memory of a cache for ``batch`` rows of ``length`` slots."""
+        itemsize = jnp.dtype(to_dtype(dtype or config.dtype)).itemsize
+        per_layer = 2 * batch * length * config.num_key_value_heads * config.head_dim * itemsize
+        return config.num_hidden_layers * per_layer + 4 * batch
+
+
+# ----------------------------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm computed in fp32, as Hugging Face does; parameter ``weight``."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: Any):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table ``weight`` [V, D] (HF layout), also usable as a tied output head."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab, dim), param_dtype) * 0.02)
+        self.dtype = dtype
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+
+    def attend(self, hidden: jax.Array) -> jax.Array:
+        """Logits of a tied head: ``hidden @ weight.T``."""
+        return jnp.einsum("bsd,vd->bsv", hidden, self.weight[...].astype(self.dtype))
+
+
+def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        d_in, d_out, use_bias=bias, dtype=to_dtype(config.dtype), param_dtype=to_dtype(config.param_dtype),
+        kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optionally against a KV cache."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, h = config.hidden_size, config.head_dim
+        self.q_proj = _linear(d, config.num_attention_heads * h, config.qkv_bias, config, rngs)
+        self.k_proj = _linear(d, config.num_key_value_heads * h, config.qkv_bias, config, rngs)
+        self.v_proj = _linear(d, config.num_key_value_heads * h, config.qkv_bias, config, rngs)
+        self.o_proj = _linear(config.num_attention_heads * h, d, config.o_bias, config, rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, h
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq: jax.Array,
+        layer_cache: tuple[jax.Array, jax.Array] | None,
+        cache_lengths: jax.Array | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        q = sharding.constrain(apply_rope(q, positions, inv_freq), "heads")
+        k = sharding.constrain(apply_rope(k, positions, inv_freq), "heads")
+        v = sharding.constrain(v, "heads")
+        query_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if layer_cache is not None:
+            query_slots = query_slots + cache_lengths[:, None]
+            rows = jnp.arange(b)[:, None]
+            # Scatter each row's new entries at its own slots; slots past the end are dropped, never clamped.
+            k_all = layer_cache[0].at[rows, query_slots].set(k.astype(layer_cache[0].dtype), mode="drop")
+            v_all = layer_cache[1].at[rows, query_slots].set(v.astype(layer_cache[1].dtype), mode="drop")
+            k_all, v_all = sharding.constrain(k_all, "kv_cache"), sharding.constrain(v_all, "kv_cache")
+            layer_cache = (k_all, v_all)
+            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        key_slots = jnp.arange(k.shape[1], dtype=jnp.int32)
+        allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, s, self.num_kv_heads, group, self.head_dim)
+        scores = jnp.einsum("bskgh,btkh->bkgst", q, k).astype(jnp.float32) / math.sqrt(self.head_dim)
+        scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgst,btkh->bskgh", probs, v).reshape(b, s, self.num_heads * self.head_dim)
+        return self.o_proj(out), layer_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(d, f, config.mlp_bias, config, rngs)
+        self.up_proj = _linear(d, f, config.mlp_bias, config, rngs)
+        self.down_proj = _linear(f, d, config.mlp_bias, config, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gated = sharding.constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), "mlp")
+        return self.down_proj(gated)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention block then pre-norm MLP block, both residual."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        param_dtype = to_dtype(config.param_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
+        self.self_attn = Attention(config, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x, positions, inv_freq, layer_cache, cache_lengths):
+        attn, layer_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, layer_cache, cache_lengths)
+        x = sharding.constrain(x + attn, "hidden")
+        x = sharding.constrain(x + self.mlp(self.post_attention_layernorm(x)), "hidden")
+        return x, layer_cache
+
+
+class Backbone(nnx.Module):
+    """Embeddings, decoder layers and the final norm (HF's ``model.*``)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(
+            config.vocab_size, config.hidden_size, dtype=to_dtype(config.dtype),
+            param_dtype=to_dtype(config.param_dtype), rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, to_dtype(config.param_dtype))
+
+
+class DecoderLM(nnx.Module):
+    """A causal LM: ``Backbone`` plus an output head (tied to the embeddings or a separate ``lm_head``)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None):
+        config.validate()
+        rngs = rngs or nnx.Rngs(0)
+        self.config = config
+        self.model = Backbone(config, rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config, rngs)
+
+    def forward(
+        self, tokens: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final hidden states [B, S, D] for ``tokens`` [B, S] (right-padded rows), and the updated cache.
+
+        Without a cache, row b's token s sits at slot s. With a cache, it is written at slot
+        ``cache.lengths[b] + s``; the caller advances ``lengths`` by the number of real new tokens.
+        ``positions`` (RoPE positions) default to the slots.
+        """
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            if cache is not None:
+                positions = positions + cache.lengths[:, None]
+        inv_freq = rope_inverse_frequencies(self.config)
+        x = sharding.constrain(self.model.embed_tokens(tokens), "hidden")
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+            lengths = None if cache is None else cache.lengths
+            if self.config.remat and cache is None:
+                x, layer_cache = nnx.remat(lambda m, *a: m(*a))(layer, x, positions, inv_freq, layer_cache, lengths)
+            else:
+                x, layer_cache = layer(x, positions, inv_freq, layer_cache, lengths)
+            if layer_cache is not None:
+                new_keys.append(layer_cache[0])
+                new_values.append(layer_cache[1])
+        hidden = self.model.norm(x)
+        new_cache = None if cache is None else KVCache(new_keys, new_values, cache.lengths)
+        return hidden, new_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [B, S, V] from hidden states [B, S, D]."""
+        if self.config.tie_word_embeddings:
+            out = self.model.embed_tokens.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return sharding.constrain(out.astype(jnp.float32), "logits")
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Teacher-forced logits [B, S, V] for right-padded ``tokens`` [B, S]."""
+        hidden, _ = self.forward(tokens, positions)
+        return self.logits(hidden)
+
+
+def abstract_model(config: ModelConfig) -> DecoderLM:
+    """The model's structure with shape-only parameters (nothing allocated), for loading checkpoints."""
+    return nnx.eval_shape(lambda: DecoderLM(config, nnx.Rngs(0)))
+
+
+def parameter_paths(model: nnx.Module) -> dict[str, Any]:
+    """Dotted path -> parameter variable, for every ``nnx.Param`` of ``model``."""
+    state = nnx.state(model, nnx.Param)
+    flat = {}
+    for path, leaf in nnx.to_flat_state(state):
+        flat[".".join(str(p) for p in path)] = leaf
+    return flat
