@@ -122,9 +122,12 @@ def load_model(
     if path.is_file() and path.suffix == ".gguf":
         from agentgym_jax import gguf
 
-        hf_config, tensors = gguf.read_gguf_tensors(path)
-        config = ModelConfig.from_hf(hf_config, **overrides)
-        return _build(config, tensors.names(), tensors.shape, tensors.get, mesh, source=str(path))
+        checkpoint = gguf.open_gguf(path)
+        config = ModelConfig.from_hf(checkpoint.config, **overrides)
+        return _build(
+            config, set(checkpoint.tensor_names()), checkpoint.tensor_shape, checkpoint.read_tensor, mesh,
+            source=str(path),
+        )
     hf_config = read_hf_config(path)
     config = ModelConfig.from_hf(hf_config, **overrides)
     reader = _SafetensorsReader(path)
@@ -179,7 +182,7 @@ def _build(
         else:
             placed = jnp.asarray(array)
         del array
-        variable.value = placed
+        variable.set_value(placed)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

@@ -1,0 +1,9 @@
+"""Test session set-up: 8 simulated CPU devices (for mesh tests) and shared tiny-model fixtures."""
+
+import os
+
+# Must happen before JAX is imported anywhere: every test sees 8 CPU devices; unsharded code uses device 0.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")

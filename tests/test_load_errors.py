@@ -1,0 +1,91 @@
+"""Bad checkpoints get clear errors that name the problem."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from agentgym_jax import hf
+from agentgym_jax.errors import CheckpointError, ConfigError
+from tests.tiny_models import save_hf_model
+
+
+@pytest.fixture(scope="module")
+def good_dir(tmp_path_factory):
+    return save_hf_model("llama-gqa-tied", tmp_path_factory.mktemp("good"))
+
+
+def _copy(good_dir, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(good_dir, target)
+    return target
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        hf.load_model(tmp_path)
+
+
+def test_path_that_does_not_exist(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        hf.load_model(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("model_type,arch", [("mixtral", "MixtralForCausalLM"), ("gpt2", "GPT2LMHeadModel")])
+def test_unsupported_architecture(good_dir, tmp_path, model_type, arch):
+    target = _copy(good_dir, tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    config.update(model_type=model_type, architectures=[arch])
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"unsupported architecture model_type='{model_type}'"):
+        hf.load_model(target)
+
+
+def test_missing_tensor(good_dir, tmp_path):
+    target = _copy(good_dir, tmp_path)
+    tensors = load_file(target / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensor.*model\.layers\.1\.mlp\.down_proj\.weight"):
+        hf.load_model(target)
+
+
+def test_wrongly_shaped_tensor(good_dir, tmp_path):
+    target = _copy(good_dir, tmp_path)
+    tensors = load_file(target / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
+    save_file(tensors, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight .* has shape \(8, 64\), expected \(32, 64\)"):
+        hf.load_model(target)
+
+
+def test_unexpected_tensor(good_dir, tmp_path):
+    target = _copy(good_dir, tmp_path)
+    tensors = load_file(target / "model.safetensors")
+    tensors["model.layers.0.extra.weight"] = np.zeros((2,), np.float32)
+    save_file(tensors, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match="does not use"):
+        hf.load_model(target)
+
+
+def test_truncated_safetensors(good_dir, tmp_path):
+    target = _copy(good_dir, tmp_path)
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="safetensors"):
+        hf.load_model(target)
+
+
+def test_not_a_gguf_file(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(CheckpointError, match="is not a GGUF file"):
+        hf.load_model(fake)
+
+
+def test_bad_dtype_name(good_dir):
+    with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
+        hf.load_model(good_dir, param_dtype="fp8")

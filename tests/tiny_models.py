@@ -1,0 +1,55 @@
+"""Tiny random Hugging Face models built locally with transformers, for parity tests."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+# name -> (family, overrides). Covers tied/untied, GQA ratio 1 and >1, QKV bias on/off, rope scaling on/off.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa-tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama-mha-untied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=False)),
+    "llama3-rope-scaling": ("llama", dict(num_key_value_heads=2, rope_scaling=LLAMA3_ROPE)),
+    "llama-linear-rope-bias": ("llama", dict(num_key_value_heads=1, attention_bias=True,
+                                             rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2-gqa-untied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen2-mha-tied": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(variant: str, seed: int = 0, **extra: Any):
+    """A random transformers causal LM (fp32, eager attention) of the named variant."""
+    import torch
+    import transformers
+
+    family, overrides = VARIANTS[variant]
+    config_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    kwargs = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    kwargs.update(extra)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    # Norm weights start at 1 in HF; perturb them so the test exercises their loading too.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def save_hf_model(variant: str, directory: str | Path | None = None, **extra: Any) -> Path:
+    """Saves a random model of ``variant`` to ``directory`` (a new temp dir by default); returns the path."""
+    directory = Path(directory or tempfile.mkdtemp(prefix=f"tiny-{variant}-"))
+    make_hf_model(variant, **extra).save_pretrained(directory)
+    return directory
