@@ -1,0 +1,369 @@
+"""Chat rendering: a Hugging Face tokenizer plus its chat template -> token ids with a per-token role.
+
+Roles say who produced each token:
+
+* ``Role.SYSTEM`` / ``Role.USER`` / ``Role.ASSISTANT`` / ``Role.TOOL``: the content of a message with that
+  role (environment observations are ``USER`` turns).
+* ``Role.GLUE``: everything the chat template adds around contents: role headers such as
+  ``<|im_start|>assistant\\n``, separators, BOS, default system prompts, the newline after ``<|im_end|>``.
+* Exception: the end-of-turn stop token that directly follows an assistant message's content
+  (``<|im_end|>``, ``<|eot_id|>``) is ``Role.ASSISTANT``: the model emits it to end its turn, so it is
+  trained on. ``TokenizedChat.assistant_content_mask`` is 1 exactly on assistant contents plus that token.
+
+Tokens are the tokenizer's encoding of the full rendered text, exactly what
+``tokenizer.apply_chat_template(messages, tokenize=True)`` returns; roles come from character offsets
+(a token overlapping a content span belongs to that content).
+
+Incremental use in a rollout (the sampled ids are never re-encoded)::
+
+    chat = ChatTokenizer.from_pretrained(model_dir)
+    seq = chat.render([system, user], add_generation_prompt=True)       # ends with "<|im_start|>assistant\\n"
+    sampled = sampler(seq.ids, stop_token_ids=chat.stop_token_ids)      # e.g. [..., <|im_end|>]
+    seq = seq + chat.assistant_turn(sampled, include_generation_prompt=False)   # closes the turn
+    seq = seq + chat.render_turn(history, {"role": "user", "content": obs}, add_generation_prompt=True)
+
+``render_turn`` guarantees ``render(h) + render_turn(h, m) == render(h + [m])`` and raises
+``TokenizerError`` for templates where that cannot hold (e.g. templates that rewrite earlier turns).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agentgym_jax.errors import TokenizerError
+
+Message = Mapping[str, Any]
+
+
+class Role(enum.IntEnum):
+    """Who produced a token (see the module docstring)."""
+
+    GLUE = 0
+    SYSTEM = 1
+    USER = 2
+    ASSISTANT = 3
+    TOOL = 4
+
+
+ROLE_BY_NAME = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT, "tool": Role.TOOL}
+
+# End-of-turn / end-of-text tokens that stop generation when the vocabulary has them.
+KNOWN_STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>")
+
+_PROBE_USER = {"role": "user", "content": "Hi"}
+_PROBE_REPLY = "Hello"
+_PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
+
+
+@dataclass(frozen=True)
+class TokenizedChat:
+    """Token ids (int32) and the role of each token (int8 ``Role`` values), same length."""
+
+    ids: np.ndarray
+    roles: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.ids.shape != self.roles.shape or self.ids.ndim != 1:
+            raise ValueError(f"ids {self.ids.shape} and roles {self.roles.shape} must be equal 1-D shapes")
+
+    @classmethod
+    def from_lists(cls, ids: Sequence[int], roles: Sequence[int]) -> TokenizedChat:
+        return cls(np.asarray(ids, dtype=np.int32).reshape(-1), np.asarray(roles, dtype=np.int8).reshape(-1))
+
+    @classmethod
+    def empty(cls) -> TokenizedChat:
+        return cls.from_lists([], [])
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __add__(self, other: TokenizedChat) -> TokenizedChat:
+        return TokenizedChat(np.concatenate([self.ids, other.ids]), np.concatenate([self.roles, other.roles]))
+
+    def __getitem__(self, index: slice) -> TokenizedChat:
+        return TokenizedChat(self.ids[index], self.roles[index])
+
+    @property
+    def assistant_content_mask(self) -> np.ndarray:
+        """int32 mask, 1 on assistant content tokens and the end-of-turn token the assistant emitted."""
+        return (self.roles == Role.ASSISTANT).astype(np.int32)
+
+
+def _validate_messages(messages: Sequence[Message]) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TokenizerError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise TokenizerError(f"message {index} must be a dict with 'role' and 'content' keys, got {message!r}")
+        if message["role"] not in ROLE_BY_NAME:
+            raise TokenizerError(
+                f"message {index} has role {message['role']!r}; use one of {sorted(ROLE_BY_NAME)}"
+            )
+        if not isinstance(message["content"], str):
+            raise TokenizerError(
+                f"message {index} content must be a string, got {type(message['content']).__name__}"
+            )
+
+
+class ChatTokenizer:
+    """A Hugging Face tokenizer with a chat template, rendering conversations to ids and role masks."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, extra_stop_token_ids: Sequence[int] = ()):
+        """Wrap ``tokenizer``; ``chat_template`` overrides the tokenizer's own template.
+
+        Raises:
+          TokenizerError: no chat template, a tokenizer without offset mappings (slow tokenizer), or a
+            template whose generation prompt / end of turn cannot be separated from message contents.
+        """
+        self.tokenizer = tokenizer
+        template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: use the default one
+            template = template.get("default")
+        if not template:
+            raise TokenizerError(
+                "the tokenizer has no chat template; add a 'chat_template' entry to tokenizer_config.json "
+                "(or a chat_template.jinja file) in the model directory, or pass chat_template=... to ChatTokenizer"
+            )
+        self.chat_template: str = template
+        if not getattr(tokenizer, "is_fast", True):
+            raise TokenizerError(
+                f"{type(tokenizer).__name__} is a slow tokenizer without offset mappings; load it with "
+                "AutoTokenizer.from_pretrained(path) (fast tokenizers, also converted from tokenizer.model)"
+            )
+        self._extra_stop_ids = tuple(int(i) for i in extra_stop_token_ids)
+        self._probe_turn_boundaries()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> ChatTokenizer:
+        """Load the tokenizer of a local Hugging Face directory (also reads its generation_config.json stops)."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise TokenizerError(f"tokenizer directory {path} does not exist; pass a local Hugging Face model directory")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, KeyError) as err:
+            raise TokenizerError(
+                f"cannot load a tokenizer from {path} ({err}); the directory needs tokenizer.json or tokenizer.model "
+                "plus tokenizer_config.json"
+            ) from err
+        extra: list[int] = []
+        generation_config = path / "generation_config.json"
+        if generation_config.is_file():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            extra = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(tokenizer, chat_template=chat_template, extra_stop_token_ids=extra)
+
+    # ----- text level -------------------------------------------------------------------------------
+
+    def render_text(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        """The chat template's text for ``messages``."""
+        _validate_messages(messages)
+        return self._apply_template(messages, add_generation_prompt)
+
+    def _apply_template(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [dict(message) for message in messages],
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except TemplateError as err:
+            raise TokenizerError(f"the chat template rejected the conversation: {err}") from err
+        if not isinstance(text, str):
+            raise TokenizerError(f"apply_chat_template returned {type(text).__name__}, expected text")
+        return text
+
+    def _content_spans(self, messages: Sequence[Message], text: str, add_generation_prompt: bool) -> list[tuple[int, int]]:
+        """Character span of each message's content inside ``text`` (the rendered conversation)."""
+        marked = [{**message, "content": f"\ue000{index}\ue001"} for index, message in enumerate(messages)]
+        skeleton = self._apply_template(marked, add_generation_prompt)
+        pieces = _PLACEHOLDER.split(skeleton)  # glue, index, glue, index, ..., glue
+        glues, order = pieces[0::2], [int(i) for i in pieces[1::2]]
+        if order != list(range(len(messages))):
+            raise TokenizerError(
+                "the chat template drops, repeats or reorders message contents "
+                f"(content order in the rendered text: {order}); it cannot be used for token-level role masks"
+            )
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        for index, message in enumerate(messages):
+            if not text.startswith(glues[index], cursor):
+                raise TokenizerError(f"the chat template renders message {index} inconsistently; cannot align it")
+            cursor += len(glues[index])
+            content = message["content"]
+            next_glue = glues[index + 1]
+            for candidate in dict.fromkeys((content, content.strip())):  # templates such as Llama-3 trim contents
+                start = text.find(candidate, cursor) if candidate else cursor
+                if start == cursor and text.startswith(next_glue, cursor + len(candidate)):
+                    spans.append((cursor, cursor + len(candidate)))
+                    cursor += len(candidate)
+                    break
+            else:
+                raise TokenizerError(
+                    f"the chat template changes the content of message {index} beyond trimming whitespace; "
+                    "token roles cannot be aligned with it"
+                )
+        if text[cursor:] != glues[-1]:
+            raise TokenizerError("the chat template's rendered text does not match its structure; cannot align roles")
+        return spans
+
+    # ----- token level ------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no BOS/EOS added (special-token strings in it are parsed)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_assistant(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The text an environment should see for sampled assistant ids: stop tokens and specials removed."""
+        ids = [int(i) for i in ids]
+        stops = set(self.stop_token_ids)
+        while ids and ids[-1] in stops:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> TokenizedChat:
+        """Ids and roles of the whole conversation (ids equal ``apply_chat_template(..., tokenize=True)``)."""
+        text = self.render_text(messages, add_generation_prompt)
+        spans = self._content_spans(messages, text, add_generation_prompt)
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoding["input_ids"])
+        offsets = encoding["offset_mapping"]
+        roles = [int(Role.GLUE)] * len(ids)
+        stops = set(self.stop_token_ids)
+        position = 0
+        for index, (span_start, span_end) in enumerate(spans):
+            role = int(ROLE_BY_NAME[messages[index]["role"]])
+
+            def inside(token: int) -> bool:
+                start, end = offsets[token]
+                return (start < span_end and end > span_start) or (start == end and span_start <= start < span_end)
+
+            while position < len(ids) and offsets[position][1] <= span_start and not inside(position):
+                position += 1
+            while position < len(ids) and offsets[position][0] < span_end:
+                if inside(position):
+                    roles[position] = role
+                position += 1
+            if role == Role.ASSISTANT and position < len(ids) and ids[position] in stops:
+                roles[position] = role  # the end-of-turn token the assistant emits after its content
+        return TokenizedChat.from_lists(ids, roles)
+
+    def render_turn(
+        self, history: Sequence[Message], message: Message, add_generation_prompt: bool = False
+    ) -> TokenizedChat:
+        """Ids and roles of ``message`` (plus the generation prompt if asked) to append to ``render(history)``.
+
+        Raises:
+          TokenizerError: when ``render(history)`` is not a prefix of ``render(history + [message])``.
+        """
+        full = self.render([*history, message], add_generation_prompt)
+        if not history:
+            return full
+        previous = self.render(history, add_generation_prompt=False)
+        n = len(previous)
+        if len(full) < n or not np.array_equal(full.ids[:n], previous.ids) or not np.array_equal(
+            full.roles[:n], previous.roles
+        ):
+            raise TokenizerError(
+                "the chat template is not prefix-consistent: adding a turn changes the tokens of earlier turns "
+                f"(first {n} tokens differ). Use a template that renders each turn independently of later ones."
+            )
+        return full[n:]
+
+    # ----- sampler protocol -------------------------------------------------------------------------
+
+    def _probe_turn_boundaries(self) -> None:
+        """Find the generation prompt and the assistant end-of-turn in token form; check they are separable."""
+        user_text = self._apply_template([_PROBE_USER], False)
+        prompt_text = self._apply_template([_PROBE_USER], True)
+        reply = {"role": "assistant", "content": _PROBE_REPLY}
+        replied_text = self._apply_template([_PROBE_USER, reply], False)
+        if not prompt_text.startswith(user_text) or len(prompt_text) == len(user_text):
+            raise TokenizerError(
+                "the chat template has no add_generation_prompt block appending to the conversation; a sampler "
+                "cannot start an assistant turn with it"
+            )
+        if not replied_text.startswith(prompt_text + _PROBE_REPLY):
+            raise TokenizerError(
+                "the chat template does not render an assistant message as generation prompt + content + end of "
+                "turn; sampled assistant ids could not be kept verbatim with it"
+            )
+        self.generation_prompt_text = prompt_text[len(user_text):]
+        self.assistant_end_text = replied_text[len(prompt_text) + len(_PROBE_REPLY):]
+        self.generation_prompt_ids = tuple(self.encode(self.generation_prompt_text))
+        self.assistant_end_ids = tuple(self.encode(self.assistant_end_text))
+        user_ids, prompt_ids, replied_ids = (self.encode(t) for t in (user_text, prompt_text, replied_text))
+        if prompt_ids != user_ids + list(self.generation_prompt_ids) or replied_ids != (
+            prompt_ids + self.encode(_PROBE_REPLY) + list(self.assistant_end_ids)
+        ):
+            raise TokenizerError(
+                "this tokenizer merges tokens across the chat template's turn boundaries, so turns cannot be "
+                "tokenized one at a time"
+            )
+        vocab = self.tokenizer.get_vocab()
+        stops: list[int] = []
+        for candidate in (
+            getattr(self.tokenizer, "eos_token_id", None),
+            *self._extra_stop_ids,
+            *(vocab.get(token) for token in KNOWN_STOP_TOKENS),
+        ):
+            if candidate is not None and int(candidate) not in stops:
+                stops.append(int(candidate))
+        self.stop_token_ids: tuple[int, ...] = tuple(stops)
+        self.end_of_turn_id: int | None = (
+            self.assistant_end_ids[0] if self.assistant_end_ids and self.assistant_end_ids[0] in stops else None
+        )
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Text forms of the stop tokens (for samplers that match strings)."""
+        return tuple(self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids)))
+
+    @property
+    def pad_token_id(self) -> int:
+        """The pad id (the tokenizer's pad token, else its eos)."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else getattr(self.tokenizer, "eos_token_id", None)
+        if pad is None:
+            raise TokenizerError("the tokenizer defines neither a pad nor an eos token; set pad_token in tokenizer_config.json")
+        return int(pad)
+
+    def generation_prompt(self) -> TokenizedChat:
+        """The glue that opens an assistant turn (e.g. ``<|im_start|>assistant\\n``), all ``Role.GLUE``."""
+        return TokenizedChat.from_lists(self.generation_prompt_ids, [Role.GLUE] * len(self.generation_prompt_ids))
+
+    def assistant_turn(self, sampled_ids: Sequence[int] | np.ndarray, include_generation_prompt: bool = True) -> TokenizedChat:
+        """An assistant turn from sampled ids, kept verbatim (``Role.ASSISTANT``), closed with the end of turn.
+
+        If the sample ends with the end-of-turn token (``<|im_end|>``) only the rest of the end-of-turn glue is
+        appended. Otherwise (cut by a length limit, or stopped by another stop token) the whole end of turn is
+        appended as ``Role.GLUE``: the model did not produce it, so it is not trained on.
+        """
+        sampled = [int(i) for i in sampled_ids]
+        ids = list(self.generation_prompt_ids) if include_generation_prompt else []
+        roles = [int(Role.GLUE)] * len(ids)
+        ids += sampled
+        roles += [int(Role.ASSISTANT)] * len(sampled)
+        end = list(self.assistant_end_ids)
+        if self.end_of_turn_id is not None and sampled and sampled[-1] == self.end_of_turn_id:
+            end = end[1:]
+        ids += end
+        roles += [int(Role.GLUE)] * len(end)
+        return TokenizedChat.from_lists(ids, roles)
