@@ -241,6 +241,40 @@ def test_macro_solver_succeeds_with_the_minigrid_reward(env, level):
             env.step(react("turn left"))
 
 
+def unlock_solve(env, task_id, max_turns=40):
+    """Scripted agent for 'open the (colour) door' behind a lock: find its key (opening boxes), unlock it."""
+    rng = random.Random(task_id)
+    observation, info = env.reset(task_id)
+    color = re.match(r"open (?:the|a) (?:(\w+) )?door", info["mission"]).group(1) or r"\w+"
+    result = None
+    for _ in range(max_turns):
+        actions = available(observation)
+        choice = next((a for a in actions if re.match(f"toggle and go through {color} (locked|closed) door", a)), None)
+        door = re.search(f"There is a ({color}) locked door", observation)
+        empty_handed = "You are not carrying anything." in observation
+        if choice is None and door:
+            choice = next((a for a in actions if a.startswith(f"pickup {door.group(1)} key")), None)
+        if choice is None and empty_handed and "toggle" in actions and re.search(r"a \w+ box 1 1 step in front of you\.", observation):
+            choice = "toggle"  # boxes hold keys in KeyInBox
+        if choice is None and empty_handed:
+            choice = next((a for a in actions if a.startswith("go to") and " box " in a), None)
+        if choice is None:
+            choice = rng.choice(["turn left", "move forward" if "move forward" in actions else "turn right"])
+        result = env.step(react(choice))
+        observation = result.observation
+        if result.done:
+            break
+    return result
+
+
+@pytest.mark.parametrize("task_id", [24, 64, 104, 65, 105, 145])
+def test_unlock_solver_uses_keys_boxes_and_locked_doors(env, task_id):
+    """UnlockLocalDist (24) and KeyInBox (25, which BabyAIBot cannot solve) through the macro actions."""
+    result = unlock_solve(env, task_id)
+    assert result.done and result.info["success"]
+    assert result.reward == pytest.approx(1 - 0.9 * result.info["steps"] / result.info["max_steps"])
+
+
 def test_babyai_bot_solves_the_levels(env):
     """minigrid's BabyAIBot solves each level's task of seed 0 and 1 as this environment builds it."""
     solved = 0
@@ -322,6 +356,7 @@ def test_malformed_actions_are_messages_not_crashes(env, text, message):
     assert available(result.observation) == available(observation)
     assert not result.done and result.reward == 0.0
     assert result.info["steps"] == 0 and result.info["action_valid"] is False and result.info["turns"] == 1
+    assert len(result.info["action"]) <= 200
 
 
 def test_closest_matching_executes_lenient_actions():

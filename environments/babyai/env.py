@@ -20,6 +20,7 @@ from environments.babyai.view import describe, observe
 NOT_RECOGNIZED = "The action is not recognized. Please check valid actions."
 NO_ACTION = "No change in state."
 COMPLETED = "The task is completed."
+INFO_ACTION_CHARS = 200  # an unmatched action is kept in info only up to this length
 
 
 class EpisodeStateError(EnvError):
@@ -100,7 +101,7 @@ class BabyAIEnvironment(Environment):
         names = self._table.names()
         chosen = match_action(parsed, names, self.action_matching)
         self._info["turns"] += 1
-        self._info["action"] = chosen if chosen is not None else parsed
+        self._info["action"] = chosen if chosen is not None else parsed[:INFO_ACTION_CHARS]
         self._info["action_valid"] = chosen is not None
         if chosen is None:
             if not parsed:

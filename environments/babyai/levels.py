@@ -8,6 +8,11 @@ The order is the original AgentGym list, from ``BabyAI-GoToRedBallGrey-v0`` to
 the original's ``BabyAI-GoToObjS6-v0`` is registered by minigrid 3.x only as ``BabyAI-GoToObjS6-v1``
 (the same ``GoToObj`` level with ``room_size=6``), so that id is used.
 
+Known upstream behaviour kept as is: in ``BabyAI-OpenDoorsOrderN4Debug-v0`` (index 15) the two-door
+missions ("open X, then open Y" / "open Y after you open X") use minigrid's strict verifier, which
+re-checks the toggle that opened the first door against the second door and declares failure, so only
+its one-door missions can be won (minigrid 3.2.0; ``tests/test_babyai.py`` pins this).
+
 Subtask categories (the paper's GoTo, Pickup, AOD, Find, Room, SLoc), chosen per level:
 
 - ``GoTo``: go to an object or door that lies in the agent's room (single-room GoTo levels, and
