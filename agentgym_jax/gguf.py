@@ -214,7 +214,8 @@ class GGUFCheckpoint:
             array = unpermute_rotary(array, self.config["num_attention_heads"])
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")) and self.architecture == "llama":
             array = unpermute_rotary(array, self.config["num_key_value_heads"])
-        return np.ascontiguousarray(array)
+        array = np.ascontiguousarray(array)
+        return array if array.flags.writeable else array.copy()  # never hand out read-only views of the mmap
 
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(hf_name, float32 array)`` one tensor at a time."""
