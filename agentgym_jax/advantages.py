@@ -286,6 +286,8 @@ class AdvantageEstimator:
         return tuple(name for name in params if name not in self.required_fields)
 
 
+BATCH_FIELDS = ("scores", "loss_mask", "group_ids", "values", "old_logp", "ref_logp")
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     est.name: est
     for est in (
@@ -310,18 +312,20 @@ def get_estimator(name: str) -> AdvantageEstimator:
 def compute_advantages(name: str, **kwargs: Any) -> tuple[Array, Array]:
     """Runs estimator ``name`` on batch fields and options given as keywords; returns (advantages, returns).
 
-    Unknown keywords and missing required fields raise :class:`AdvantageError` naming them. Jit it with the
-    name and hyperparameters bound, e.g. ``jax.jit(functools.partial(compute_advantages, "gae", lam=0.95))``.
+    Batch fields (:data:`BATCH_FIELDS`) the estimator does not use are dropped, so a trainer can pass the
+    whole batch to any estimator. Missing required fields and unknown options raise :class:`AdvantageError`
+    naming them. Jit it with the name and options bound, e.g.
+    ``jax.jit(functools.partial(compute_advantages, "gae", lam=0.95))``.
     """
     estimator = get_estimator(name)
     missing = [f for f in estimator.required_fields if kwargs.get(f) is None]
     if missing:
         raise AdvantageError(f"Estimator {name!r} needs batch field(s) {missing}; got {sorted(kwargs)}.")
     accepted = set(estimator.required_fields) | set(estimator.options())
-    unknown = sorted(set(kwargs) - accepted)
+    unknown = sorted(set(kwargs) - accepted - set(BATCH_FIELDS))
     if unknown:
         raise AdvantageError(f"Estimator {name!r} does not accept {unknown}; it accepts {sorted(accepted)}.")
-    return estimator.fn(**kwargs)
+    return estimator.fn(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
 def check_group_sizes(group_ids: np.ndarray, min_size: int, loss_mask: np.ndarray | None = None) -> None:
