@@ -86,6 +86,16 @@ def test_invalid_task_ids(env, bad):
         env.reset(bad)
 
 
+def test_instruction_has_format_actions_and_one_example(env):
+    text = env.instruction()
+    assert "Thought: The red ball is ahead of me.\n\nAction:\ngo to red ball 1" in text
+    assert text.count("Example:") == 1 and "Thought: <your reasoning>\n\nAction:\n<one action>" in text
+    for action in ("turn left", "move forward", "pickup <object> <number>", "go through <door> <number>",
+                   "toggle and go through <door> <number>", "drop", "toggle", "check available actions"):
+        assert action in text
+    assert "pick up" not in text  # the action string is "pickup"
+
+
 # -- observations -------------------------------------------------------------------------------------
 def test_first_observation_format_and_info(env):
     observation, info = env.reset(0)
