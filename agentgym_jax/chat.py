@@ -226,6 +226,18 @@ class ChatTokenizer:
         """Token ids of ``text`` with no BOS/EOS added (special-token strings in it are parsed)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_in_turn(self, text: str) -> list[int]:
+        """Ids of ``text`` as it tokenizes right after the generation prompt, i.e. as assistant content.
+
+        Differs from ``encode`` for sentencepiece-style tokenizers, which prepend a word-boundary marker
+        to the start of a standalone string but not to text that follows the template's glue.
+        """
+        ids = self.encode(self.generation_prompt_text + text)
+        n = len(self.generation_prompt_ids)
+        if tuple(ids[:n]) != self.generation_prompt_ids:
+            raise TokenizerError(f"text {text[:40]!r} merges with the generation prompt when tokenized")
+        return ids[n:]
+
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -310,12 +322,15 @@ class ChatTokenizer:
         self.generation_prompt_ids = tuple(self.encode(self.generation_prompt_text))
         self.assistant_end_ids = tuple(self.encode(self.assistant_end_text))
         user_ids, prompt_ids, replied_ids = (self.encode(t) for t in (user_text, prompt_text, replied_text))
-        if prompt_ids != user_ids + list(self.generation_prompt_ids) or replied_ids != (
-            prompt_ids + self.encode(_PROBE_REPLY) + list(self.assistant_end_ids)
+        end = list(self.assistant_end_ids)
+        if (
+            prompt_ids != user_ids + list(self.generation_prompt_ids)
+            or replied_ids[: len(prompt_ids)] != prompt_ids
+            or (end and replied_ids[-len(end):] != end)
         ):
             raise TokenizerError(
-                "this tokenizer merges tokens across the chat template's turn boundaries, so turns cannot be "
-                "tokenized one at a time"
+                "this tokenizer merges tokens across the chat template's turn boundaries (generation prompt or "
+                "end of turn), so a sampled assistant turn cannot be spliced between them as ids"
             )
         vocab = self.tokenizer.get_vocab()
         stops: list[int] = []
