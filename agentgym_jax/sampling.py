@@ -1,0 +1,335 @@
+"""Batched multi-turn generation: one jitted program that prefills new tokens and decodes, per-row KV cache.
+
+Each row (one episode) owns a slice of the KV cache and its own filled length. A call to
+:meth:`Sampler.generate` appends every active row's new tokens (the environment observation plus chat-template
+glue) to that row's cache, then decodes in a ``lax.while_loop`` until every row has stopped. The history is never
+recomputed: a multi-turn episode costs one prefill of its new tokens per turn.
+
+The sampler reads the policy parameters exactly as the trainer holds them (the ``nnx.split`` state), so
+sampling and training share one set of sharded arrays.
+
+Returned log-probs are the model's own (temperature 1, unfiltered) ``log_softmax`` of each sampled token, i.e.
+what a teacher-forced forward over the whole sequence gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from functools import partial
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from agentgym_jax import compile_stats, sharding
+from agentgym_jax.buckets import bucket
+from agentgym_jax.errors import ConfigError
+from agentgym_jax.model import DecoderLM, KVCache, to_dtype
+
+
+class StopReason(enum.IntEnum):
+    """Why a row stopped generating in a call."""
+
+    RUNNING = 0
+    STOP_TOKEN = 1  # sampled an end-of-turn / EOS id (kept as the row's last token)
+    STOP_SEQUENCE = 2  # the generated tail matched a stop sequence
+    MAX_TOKENS = 3  # reached the row's max_new_tokens
+    CACHE_FULL = 4  # the row's KV cache has no slot left (its history would be truncated otherwise)
+    INACTIVE = 5  # the row took no part in this call (finished episode, or no new tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling rule. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """Per-row output of one :meth:`Sampler.generate` call (rows in the order given)."""
+
+    tokens: list[list[int]]  # sampled ids, including a final stop token when there is one
+    logprobs: list[list[float]]  # model log-prob of each sampled id
+    stop_reasons: list[StopReason]
+
+
+@dataclasses.dataclass
+class SamplerState:
+    """The KV cache of a batch of episodes, plus a host copy of each row's filled length."""
+
+    cache: KVCache | None  # None once consumed by Sampler.generate (its buffers were donated)
+    lengths: np.ndarray  # [B] host mirror of cache.lengths
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def _sample_tokens(
+    logits: jax.Array, keys: jax.Array, counters: jax.Array, temperature: jax.Array, top_p: jax.Array,
+    top_k: jax.Array, filtered: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Samples one token per row; returns (ids [B], model log-probs [B])."""
+    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    if filtered:
+        # Sort once per row; rank-based top-k and cumulative-probability top-p masks in sorted order.
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        ranks = jnp.arange(logits.shape[-1])[None, :]
+        keep = jnp.where(top_k[:, None] > 0, ranks < top_k[:, None], True)
+        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = keep & (mass_before < top_p[:, None])
+        sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    row_keys = jax.vmap(jax.random.fold_in)(keys, counters)
+    if filtered:
+        picked = jax.vmap(jax.random.categorical)(row_keys, sorted_logits)
+        sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0]
+    else:
+        sampled = jax.vmap(jax.random.categorical)(row_keys, scaled)
+    tokens = jnp.where(temperature == 0, greedy, sampled).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_ids", "stop_sequences", "filtered"),
+         donate_argnames=("cache",))
+def _generate_program(
+    state: Any,
+    cache: KVCache,
+    new_tokens: jax.Array,  # [B, S] right-padded
+    new_lengths: jax.Array,  # [B]; 0 = inactive row
+    keys: jax.Array,  # [B] PRNG keys
+    temperature: jax.Array,  # [B]
+    top_p: jax.Array,  # [B]
+    top_k: jax.Array,  # [B]
+    max_new_tokens: jax.Array,  # [B]
+    *,
+    graphdef: Any,
+    max_new: int,
+    stop_ids: tuple[int, ...],
+    stop_sequences: tuple[tuple[int, ...], ...],
+    filtered: bool,
+):
+    model = nnx.merge(graphdef, state)
+    batch = new_tokens.shape[0]
+    capacity = cache.capacity
+    rows = jnp.arange(batch)
+
+    # Prefill: write the new tokens, then read the logits at each row's last new token.
+    hidden, cache = model.forward(new_tokens, cache=cache)
+    last = jnp.maximum(new_lengths - 1, 0)
+    logits = model.logits(hidden[rows, last][:, None, :])[:, 0]
+    cache = dataclasses.replace(cache, lengths=cache.lengths + new_lengths)
+
+    tail = max([len(s) for s in stop_sequences] + [1])
+    reason = jnp.where(new_lengths > 0, StopReason.RUNNING, StopReason.INACTIVE).astype(jnp.int32)
+    carry = dict(
+        step=jnp.int32(0), cache=cache, logits=logits, reason=reason,
+        tokens=jnp.zeros((batch, max_new), jnp.int32), logprobs=jnp.zeros((batch, max_new), jnp.float32),
+        count=jnp.zeros((batch,), jnp.int32), recent=jnp.full((batch, tail), -1, jnp.int32),
+    )
+    stop_id_array = jnp.asarray(stop_ids or (-1,), jnp.int32)
+
+    def cond(c):
+        return (c["step"] < max_new) & jnp.any(c["reason"] == StopReason.RUNNING)
+
+    def body(c):
+        cache, reason, count = c["cache"], c["reason"], c["count"]
+        running = reason == StopReason.RUNNING
+        full = running & (cache.lengths >= capacity)
+        reason = jnp.where(full, StopReason.CACHE_FULL, reason)
+        running = running & ~full
+        token, logprob = _sample_tokens(c["logits"], keys, count, temperature, top_p, top_k, filtered)
+        token = jnp.where(running, token, 0)
+        write_at = jnp.where(running, count, max_new)  # out of range -> dropped
+        tokens = c["tokens"].at[rows, write_at].set(token, mode="drop")
+        logprobs = c["logprobs"].at[rows, write_at].set(logprob, mode="drop")
+        count = count + running
+        recent = jnp.where(running[:, None], jnp.concatenate([c["recent"][:, 1:], token[:, None]], 1), c["recent"])
+        hit_stop_id = jnp.any(token[:, None] == stop_id_array[None, :], axis=-1)
+        hit_sequence = jnp.zeros((batch,), bool)
+        for sequence in stop_sequences:
+            pattern = jnp.asarray(sequence, jnp.int32)
+            hit_sequence = hit_sequence | jnp.all(recent[:, tail - len(sequence):] == pattern[None, :], axis=-1)
+        new_reason = jnp.where(
+            hit_stop_id, StopReason.STOP_TOKEN,
+            jnp.where(hit_sequence, StopReason.STOP_SEQUENCE,
+                      jnp.where(count >= max_new_tokens, StopReason.MAX_TOKENS, StopReason.RUNNING)),
+        )
+        reason = jnp.where(running, new_reason, reason)
+        # Feed the sampled token (stop tokens too: they belong to the conversation the next turn extends).
+        hidden, cache = model.forward(token[:, None], cache=cache)
+        cache = dataclasses.replace(cache, lengths=cache.lengths + running)
+        logits = model.logits(hidden)[:, 0]
+        return dict(step=c["step"] + 1, cache=cache, logits=logits, reason=reason, tokens=tokens,
+                    logprobs=logprobs, count=count, recent=recent)
+
+    out = jax.lax.while_loop(cond, body, carry)
+    return out["cache"], out["tokens"], out["logprobs"], out["count"], out["reason"]
+
+
+PROGRAM_NAME = "_generate_program"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Static settings of a sampler: cache size and dtype, stop rules, shape buckets."""
+
+    cache_length: int = 2048
+    cache_dtype: str | None = None  # default: the model's compute dtype
+    stop_token_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    new_token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Sampler:
+    """Generates for a batch of episodes, extending each episode's KV cache turn after turn."""
+
+    def __init__(self, model: DecoderLM, config: SamplerConfig, mesh: Mesh | None = None):
+        self.config = config
+        self.mesh = mesh
+        self.graphdef, self.state = nnx.split(model)
+        self.model_config = model.config
+        to_dtype(config.cache_dtype or model.config.dtype)
+        compile_stats.install()
+
+    def update_params(self, model_or_state: Any) -> None:
+        """Points the sampler at new parameters (the trainer's arrays themselves: no copy)."""
+        self.state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+
+    @property
+    def compilations(self) -> int:
+        """XLA compilations of the generation program so far in this process."""
+        return compile_stats.compilations(PROGRAM_NAME)
+
+    def batch_bucket(self, batch: int) -> int:
+        """Padded batch size for ``batch`` rows (a multiple of the mesh's batch axes)."""
+        size = bucket(batch, self.config.batch_buckets)
+        if self.mesh is not None:
+            multiple = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+            size = -(-size // multiple) * multiple
+        return size
+
+    def new_state(self, batch: int) -> SamplerState:
+        """Empty caches for ``batch`` episodes (padded to a batch bucket; extra rows stay inactive)."""
+        padded = self.batch_bucket(batch)
+        with sharding.use_mesh(self.mesh):
+            cache = jax.jit(
+                lambda: KVCache.zeros(self.model_config, padded, self.config.cache_length, self.config.cache_dtype)
+            )()
+        return SamplerState(cache=cache, lengths=np.zeros((padded,), np.int64))
+
+    def generate(
+        self,
+        state: SamplerState,
+        new_tokens: Sequence[Sequence[int] | None],
+        rng: jax.Array,
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> tuple[SamplerState, GenerateResult]:
+        """Appends ``new_tokens[b]`` to row b's cache and samples its continuation.
+
+        ``new_tokens[b]`` empty or None leaves row b untouched (an inactive row). ``params`` may differ per
+        row. ``rng`` is one PRNG key; each row draws from its own key split from it, folded with its token
+        index, so a row's sample does not depend on the other rows.
+        """
+        if state.cache is None:
+            raise ConfigError(
+                "this SamplerState was consumed by an earlier generate() call (its cache buffers are reused "
+                "in place); pass the state that call returned"
+            )
+        batch = state.batch_size
+        if len(new_tokens) > batch:
+            raise ConfigError(f"{len(new_tokens)} rows given, but the sampler state holds {batch}")
+        per_row = list(params) if isinstance(params, Sequence) else [params] * len(new_tokens)
+        if len(per_row) != len(new_tokens):
+            raise ConfigError(f"got {len(per_row)} SamplingParams for {len(new_tokens)} rows")
+        for p in per_row:
+            p.validate()
+        rows = [list(t or ()) for t in new_tokens] + [[]] * (batch - len(new_tokens))
+        per_row = per_row + [SamplingParams()] * (batch - len(per_row))
+        lengths = np.array([len(t) for t in rows], np.int64)
+        reasons_before = np.full((batch,), StopReason.RUNNING)
+        no_room = (state.lengths + lengths > self.config.cache_length) & (lengths > 0)
+        reasons_before[no_room] = StopReason.CACHE_FULL
+        lengths[no_room] = 0
+        width = bucket(max(1, int(lengths.max(initial=0))), self.config.token_buckets)
+        token_array = np.zeros((batch, width), np.int32)
+        for b, ids in enumerate(rows):
+            if lengths[b]:
+                token_array[b, : lengths[b]] = ids
+        max_new = bucket(max(p.max_new_tokens for p in per_row), self.config.new_token_buckets)
+        filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in per_row)
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(batch))
+        arrays = dict(
+            new_tokens=token_array,
+            new_lengths=lengths.astype(np.int32),
+            temperature=np.array([p.temperature for p in per_row], np.float32),
+            top_p=np.array([p.top_p for p in per_row], np.float32),
+            top_k=np.array([p.top_k for p in per_row], np.int32),
+            max_new_tokens=np.array([p.max_new_tokens for p in per_row], np.int32),
+        )
+        with sharding.use_mesh(self.mesh):
+            if self.mesh is not None:
+                arrays = {
+                    k: jax.device_put(v, sharding.named_sharding(self.mesh, "tokens" if v.ndim == 2 else "rows"))
+                    for k, v in arrays.items()
+                }
+            cache, tokens, logprobs, count, reason = _generate_program(
+                self.state, state.cache, keys=keys, graphdef=self.graphdef, max_new=max_new,
+                stop_ids=tuple(self.config.stop_token_ids), stop_sequences=tuple(self.config.stop_sequences),
+                filtered=filtered, **arrays,
+            )
+        state.cache = None  # donated to the program above
+        tokens, logprobs, count, reason, cache_lengths = jax.device_get(
+            (tokens, logprobs, count, reason, cache.lengths)
+        )
+        reason = np.where(reasons_before == StopReason.CACHE_FULL, StopReason.CACHE_FULL, reason)
+        result = GenerateResult(
+            tokens=[tokens[b, : count[b]].tolist() for b in range(len(new_tokens))],
+            logprobs=[logprobs[b, : count[b]].tolist() for b in range(len(new_tokens))],
+            stop_reasons=[StopReason(int(r)) for r in reason[: len(new_tokens)]],
+        )
+        return SamplerState(cache=cache, lengths=np.asarray(cache_lengths, np.int64)), result
+
+    def select_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
+        """Keeps only ``rows`` (e.g. drops finished episodes), compacting into a smaller batch bucket."""
+        padded = self.batch_bucket(len(rows))
+        index = np.zeros((padded,), np.int32)
+        index[: len(rows)] = rows
+        keep = np.zeros((padded,), bool)
+        keep[: len(rows)] = True
+        with sharding.use_mesh(self.mesh):
+            cache = _select_rows_program(state.cache, jnp.asarray(index), jnp.asarray(keep))
+        lengths = np.where(keep, state.lengths[index], 0)
+        return SamplerState(cache=cache, lengths=lengths)
+
+
+@jax.jit
+def _select_rows_program(cache: KVCache, index: jax.Array, keep: jax.Array) -> KVCache:
+    take = lambda x: sharding.constrain(jnp.take(x, index, axis=0), "kv_cache")
+    return KVCache(
+        keys=[take(k) for k in cache.keys], values=[take(v) for v in cache.values],
+        lengths=jnp.where(keep, jnp.take(cache.lengths, index), 0),
+    )
