@@ -206,8 +206,7 @@ class ChatTokenizer:
             content = message["content"]
             next_glue = glues[index + 1]
             for candidate in dict.fromkeys((content, content.strip())):  # templates such as Llama-3 trim contents
-                start = text.find(candidate, cursor) if candidate else cursor
-                if start == cursor and text.startswith(next_glue, cursor + len(candidate)):
+                if text.startswith(candidate, cursor) and text.startswith(next_glue, cursor + len(candidate)):
                     spans.append((cursor, cursor + len(candidate)))
                     cursor += len(candidate)
                     break
