@@ -110,3 +110,21 @@ def test_first_observation_is_identical_across_processes_and_hash_seeds() -> Non
     for name in ENV_NAMES:
         assert first[name] == second[name], f"{name}: first observation depends on the process"
         assert len(set(first[name])) == 3, f"{name}: different tasks gave the same observation"
+
+
+def test_task_files_round_trip_and_stay_disjoint(tmp_path: Path) -> None:
+    from environments.tasks import TaskFileError, read_task_file, write_task_files
+
+    write_task_files(tmp_path, ENV_NAMES)
+    for name in ENV_NAMES:
+        env = make_env(name)
+        read = {split: read_task_file(tmp_path / f"{name}_{split}.jsonl", name, split) for split in SPLITS}
+        assert read["test"] == list(env.tasks("test")) and read["train"] == list(env.tasks("train"))
+        assert not {t.task_id for t in read["train"]} & {t.task_id for t in read["test"]}
+        env.close()
+    first = json.loads((tmp_path / "textcraft_test.jsonl").read_text().splitlines()[0])
+    assert first == {"item_id": "textcraft_2", "task_id": 2, "split": "test", "subtask": "depth-1", "goal": "minecraft:beacon"}
+    with pytest.raises(TaskFileError, match="not a textcraft train task"):
+        read_task_file(tmp_path / "textcraft_test.jsonl", "textcraft", "train")
+    with pytest.raises(TaskFileError, match="does not exist"):
+        read_task_file(tmp_path / "nope.jsonl", "textcraft", "train")

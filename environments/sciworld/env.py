@@ -107,6 +107,11 @@ class SciWorld(Environment):
             for variation in task.variations[split]
         ]
 
+    def task_details(self, task_id: int) -> dict[str, Any]:
+        """What a task file records about a task besides id, split and subtask."""
+        task, variation, variation_split = locate(task_id)
+        return {"task_code": task.code, "task_name": task.name, "variation": variation}
+
     def _simulator(self) -> Any:
         if self._env is None:
             from scienceworld import ScienceWorldEnv

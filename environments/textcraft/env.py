@@ -105,6 +105,10 @@ class TextCraft(Environment):
             )
         return self._goals[task_id][0]
 
+    def task_details(self, task_id: int) -> dict[str, Any]:
+        """What a task file records about a task besides id, split and subtask."""
+        return {"goal": self.goal_of(task_id)}
+
     def reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
         self.goal = self.goal_of(task_id)
         self.inventory = {}
