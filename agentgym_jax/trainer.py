@@ -1,0 +1,276 @@
+"""The end-to-end multi-turn RL loop: rollout -> advantages -> update, with evaluation, checkpoints and logs.
+
+Built from one ml_collections config (see ``configs/``). The sampler and the learner share one set of sharded
+parameters on one mesh. The task order and every random key are pure functions of ``(seed, step)``, so a run
+resumed from a checkpoint reproduces the uninterrupted run exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from tqdm.auto import tqdm
+
+from agentgym_jax import evaluation, hf, schedule, sharding
+from agentgym_jax.buckets import bucket
+from agentgym_jax.chat import ChatTokenizer
+from agentgym_jax.checkpoint import RunCheckpointer
+from agentgym_jax.errors import ConfigError
+from agentgym_jax.metrics_log import MetricLogger, plot_run
+from agentgym_jax.rollout import END_REASONS, RolloutConfig, Trajectory, pack_trajectories, run_rollout
+from agentgym_jax.run_config import learner_config_from, resolve_model_path, validate_run_config
+from agentgym_jax.sampling import Sampler, SamplerConfig
+
+LENGTH_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+def _filter_tasks(tasks: Sequence[Any], subtasks: Sequence[str]) -> list[Any]:
+    return [t for t in tasks if not subtasks or t.subtask in subtasks]
+
+
+class Trainer:
+    """Owns the model, sampler, learner, environment pool, logger and checkpointer of one run."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path | None = None):
+        validate_run_config(config)
+        self.config = config
+        self.workdir = Path(workdir or config.train.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.mesh = sharding.make_mesh(tuple(config.mesh.shape)) if config.mesh.shape != (1, 1, 1) else None
+        self.model_dir = resolve_model_path(config.model.path)
+        self.chat = ChatTokenizer.from_pretrained(self.model_dir)
+        model = hf.load_model(
+            self.model_dir, mesh=self.mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
+            remat=config.model.remat,
+        )
+        from agentgym_jax.learner import Learner
+
+        self.learner = Learner(model, learner_config_from(config), mesh=self.mesh)
+        cache_length = bucket(config.rollout.max_trajectory_tokens, LENGTH_BUCKETS)
+        self.sampler = Sampler(
+            model, SamplerConfig(cache_length=cache_length, stop_token_ids=tuple(self.chat.stop_token_ids),
+                                 cache_dtype=config.model.dtype),
+            mesh=self.mesh,
+        )
+        self.sampler.update_params(self.learner.policy_state)
+        self.rollout_config = RolloutConfig(
+            max_turn_tokens=config.rollout.max_turn_tokens,
+            max_trajectory_tokens=config.rollout.max_trajectory_tokens,
+            temperature=config.rollout.temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
+            system_prompt=config.rollout.system_prompt or None, canned_reply=config.rollout.canned_reply,
+        )
+        from environments.workers import EnvPool
+
+        self.pool = EnvPool(
+            config.env.name, dict(config.env.kwargs), num_workers=config.env.num_workers,
+            step_timeout_s=config.env.step_timeout_s, import_modules=tuple(config.env.import_modules),
+        )
+        self._split_tasks()
+        self.logger = MetricLogger(self.workdir, tensorboard=config.train.tensorboard)
+        self.checkpointer = RunCheckpointer(self.workdir / "checkpoints", keep_last=config.train.keep_checkpoints)
+        self.step = 0
+
+    # -- data ------------------------------------------------------------------------------------------
+
+    def _split_tasks(self) -> None:
+        config = self.config
+        train = _filter_tasks(self.pool.tasks("train"), config.env.train_subtasks)
+        test = _filter_tasks(self.pool.tasks("test"), config.env.test_subtasks)
+        if config.data.train_task_limit:
+            train = train[: config.data.train_task_limit]
+        order = np.random.default_rng(config.train.seed).permutation(len(train))
+        held = config.data.validation_tasks
+        self.validation_tasks = [train[i] for i in order[:held]]  # held out of training, for checkpoint selection
+        self.train_tasks = [train[i] for i in order[held:]]
+        test_order = np.random.default_rng(config.train.seed + 1).permutation(len(test))
+        limit = config.data.test_tasks or len(test)
+        self.test_tasks = [test[i] for i in sorted(test_order[:limit])]
+        if not self.train_tasks:
+            raise ConfigError("no training tasks left after env.train_subtasks, data.train_task_limit and "
+                              "data.validation_tasks; loosen those settings")
+        if not self.test_tasks:
+            raise ConfigError("no test tasks after env.test_subtasks; check the subtask names")
+
+    def tasks_for_step(self, step: int) -> list[Any]:
+        """The tasks of 1-based ``step``: consecutive slices of per-epoch permutations (a function of seed, step)."""
+        per_step = self.config.data.tasks_per_step
+        n = len(self.train_tasks)
+        picked = []
+        for flat in range((step - 1) * per_step, step * per_step):
+            epoch, position = divmod(flat, n)
+            order = np.random.default_rng([self.config.train.seed, epoch]).permutation(n)
+            picked.append(self.train_tasks[order[position]])
+        return picked
+
+    def _step_keys(self, step: int) -> tuple[jax.Array, jax.Array]:
+        key = jax.random.fold_in(jax.random.PRNGKey(self.config.train.seed), step)
+        rollout_key, update_key = jax.random.split(key)
+        return rollout_key, update_key
+
+    # -- one step ----------------------------------------------------------------------------------------
+
+    def rollout(self, tasks: Sequence[Any], samples: int, horizon: int, rng: jax.Array, greedy: bool = False,
+                desc: str = "rollout") -> tuple[list[Trajectory], Any]:
+        """Plays ``samples`` episodes of each task; group ids number the tasks."""
+        episodes = [t for t in tasks for _ in range(samples)]
+        groups = [i for i in range(len(tasks)) for _ in range(samples)]
+        config = self.rollout_config
+        if greedy:
+            config = dataclasses.replace(config, temperature=0.0)
+        bar = tqdm(total=horizon, desc=desc, leave=False, disable=not self.config.train.progress_bars)
+
+        def progress(round_index: int, active: int, finished: int) -> None:
+            bar.update(1)
+            bar.set_postfix(active=active, done=finished)
+
+        try:
+            return run_rollout(self.sampler, self.pool, self.chat, episodes, groups, config, horizon, rng, progress)
+        finally:
+            bar.close()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Rollout on this step's tasks, then one learner update over the batch."""
+        horizon = schedule.horizon_at(self.config.horizon, step)
+        rollout_key, update_key = self._step_keys(step)
+        t0 = time.perf_counter()
+        trajectories, stats = self.rollout(self.tasks_for_step(step), self.config.data.samples_per_task, horizon,
+                                           rollout_key, desc=f"step {step} rollout")
+        t_rollout = time.perf_counter()
+        arrays = pack_trajectories(
+            trajectories, LENGTH_BUCKETS, batch_multiple=self._batch_multiple(), pad_id=self.chat.pad_token_id
+        )
+        from agentgym_jax.batch import TrajectoryBatch
+
+        update_metrics = self.learner.update(TrajectoryBatch(**arrays), update_key)
+        self.sampler.update_params(self.learner.policy_state)
+        t_train = time.perf_counter()
+        metrics = {f"train/{k}": v for k, v in update_metrics.items()}
+        metrics.update(self._rollout_metrics(trajectories, prefix="rollout"))
+        generated = max(stats.generated_tokens, 1)
+        metrics.update({
+            "horizon": horizon,
+            "time/sampling_s": stats.sampling_s, "time/env_s": stats.env_s,
+            "time/rollout_host_s": stats.host_s, "time/train_s": t_train - t_rollout,
+            "time/step_s": t_train - t0,
+            "rollout/generated_tokens": stats.generated_tokens,
+            "rollout/generated_tokens_per_s": generated / max(stats.sampling_s, 1e-9),
+            "rollout/env_steps_per_s": stats.env_steps / max(stats.env_s, 1e-9),
+            "rollout/batch_tokens": int(arrays["tokens"].shape[0] * arrays["tokens"].shape[1]),
+            "sampler/compilations": self.sampler.compilations,
+        })
+        count = self.config.train.sample_log_count
+        self.logger.write_samples(step, [_readable(t) for t in trajectories[:count]])
+        return metrics
+
+    def _batch_multiple(self) -> int:
+        multiple = max(1, int(self.config.algo.microbatch_size or 1))
+        if self.mesh is not None:
+            mesh_rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+            multiple = int(np.lcm(multiple, mesh_rows))
+        return multiple
+
+    @staticmethod
+    def _rollout_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+        n = max(1, len(trajectories))
+        metrics = {
+            f"{prefix}/score": sum(t.score for t in trajectories) / n,
+            f"{prefix}/success": sum(t.success for t in trajectories) / n,
+            f"{prefix}/turns": sum(t.turns for t in trajectories) / n,
+            f"{prefix}/agent_tokens": sum(t.num_agent_tokens for t in trajectories) / n,
+            f"{prefix}/trajectory_tokens": sum(len(t.tokens) for t in trajectories) / n,
+        }
+        for reason in END_REASONS:
+            metrics[f"{prefix}/end_{reason}"] = sum(t.end_reason == reason for t in trajectories) / n
+        return metrics
+
+    # -- evaluation --------------------------------------------------------------------------------------
+
+    def evaluate(self, tasks: Sequence[Any], k: int | None = None, greedy: bool | None = None,
+                 desc: str = "eval") -> tuple[dict[str, Any], list[Trajectory]]:
+        """Avg@k / Pass@k of the current policy on ``tasks`` at the schedule's largest horizon."""
+        k = k or self.config.eval.k
+        greedy = self.config.eval.greedy if greedy is None else greedy
+        horizon = self.config.eval.horizon or schedule.max_horizon(self.config.horizon)
+        key = jax.random.PRNGKey(self.config.train.seed + 7919)
+        trajectories: list[Trajectory] = []
+        chunk = self.config.eval.batch_tasks
+        for start in range(0, len(tasks), chunk):
+            key, sub = jax.random.split(key)
+            batch, _ = self.rollout(tasks[start: start + chunk], k, horizon, sub, greedy=greedy, desc=desc)
+            trajectories += batch
+        return evaluation.summarize(trajectories, k), trajectories
+
+    # -- the loop ----------------------------------------------------------------------------------------
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        return {"step": self.step, "seed": self.config.train.seed,
+                "horizon": schedule.horizon_at(self.config.horizon, max(self.step, 1)),
+                "config": json.loads(self.config.to_json_best_effort())}
+
+    def save(self, eval_score: float | None = None) -> None:
+        self.checkpointer.save(self.step, self.learner.checkpoint_state(), self.checkpoint_record(), eval_score)
+
+    def maybe_resume(self) -> bool:
+        """Restores the newest readable checkpoint; True if one was found."""
+        restored = self.checkpointer.restore_latest(self.learner.checkpoint_state())
+        if restored is None:
+            return False
+        step, state, record = restored
+        self.learner.restore_checkpoint_state(state)
+        self.sampler.update_params(self.learner.policy_state)
+        self.step = int(record["step"])
+        logging.info("resumed from checkpoint %d in %s", step, self.checkpointer.directory)
+        return True
+
+    def fit(self, steps: int | None = None) -> list[dict[str, float]]:
+        """Trains until ``config.train.steps`` (or ``steps`` more steps); returns the per-step metrics."""
+        train = self.config.train
+        last = train.steps if steps is None else self.step + steps
+        history = []
+        bar = tqdm(total=last, initial=self.step, desc="training", disable=not train.progress_bars)
+        while self.step < last:
+            self.step += 1
+            metrics = self.train_step(self.step)
+            eval_score = None
+            if train.eval_every and self.step % train.eval_every == 0 and self.validation_tasks:
+                summary, _ = self.evaluate(self.validation_tasks, desc=f"step {self.step} validation")
+                k = summary["k"]
+                eval_score = summary["overall"][f"avg@{k}"]
+                metrics.update({"eval/score": eval_score, "eval/success": summary["overall"]["success_rate"],
+                                "eval/turns": summary["overall"]["mean_turns"]})
+            self.logger.write(self.step, metrics)
+            history.append(metrics)
+            if train.checkpoint_every and (self.step % train.checkpoint_every == 0 or self.step == last):
+                self.save(eval_score)
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['rollout/score']:.3f}", horizon=metrics["horizon"])
+        bar.close()
+        self.checkpointer.wait()
+        return history
+
+    def export(self, out_dir: str | Path | None = None) -> Path:
+        """Writes the current policy as a Hugging Face directory."""
+        out = Path(out_dir or self.workdir / "export")
+        return hf.export_model(self.learner.policy_model(), out, tokenizer_dir=self.model_dir)
+
+    def plot(self) -> Path:
+        return plot_run(self.workdir)
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.logger.close()
+        self.pool.close()
+
+
+def _readable(trajectory: Trajectory) -> dict[str, Any]:
+    return {"task_id": trajectory.task_id, "subtask": trajectory.subtask, "score": trajectory.score,
+            "success": trajectory.success, "turns": trajectory.turns, "end_reason": trajectory.end_reason,
+            "error": trajectory.error, "messages": trajectory.messages}
