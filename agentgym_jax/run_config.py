@@ -37,17 +37,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.horizon = dict(type="fixed", turns=20, rounds=(6, 13, 20), steps_per_stage=100, stage_starts=(), start=1, end=1,
                      increment=1)
     c.algo = dict(
-        advantage_estimator="grpo", normalize_std=True, gamma=1.0, lam=1.0,
+        advantage_estimator="grpo", normalize_std=True, gamma=1.0, lam=1.0, whiten_advantages=True,
         loss_aggregation="seq-mean-token-mean", clip_low=0.2, clip_high=0.2, clip_ratio_c=0.0,
         kl_coef=0.001, kl_estimator="k3", kl_in_reward=False, entropy_coef=0.001,
         learning_rate=1e-6, warmup_steps=0, lr_schedule="constant", weight_decay=0.01, b1=0.9, b2=0.999,
         grad_clip_norm=1.0, ppo_epochs=1, minibatch_size=64, microbatch_size=8,
-        value_clip=0.5, critic_learning_rate=1e-5, logprob_chunk_size=0, temperature=1.0,
+        value_clip=0.5, critic_learning_rate=1e-5, critic_warmup_steps=0, logprob_chunk_size=0, temperature=1.0,
         old_logp_source="sampler", use_reference=True,
     )
     c.train = dict(
         steps=150, seed=0, workdir="runs/default", eval_every=25, checkpoint_every=25, keep_checkpoints=3,
         sample_log_count=4, export_final=True, tensorboard=True, progress_bars=True, eval_before=False,
+        report_path="",
     )
     c.eval = dict(k=1, greedy=False, horizon=0, batch_tasks=32)
     return c
@@ -69,7 +70,8 @@ def resolve_model_path(path: str) -> Path:
 
 
 # Config keys of ``algo`` that map to LearnerConfig fields under another name or need conversion.
-_ALGO_NONE_IF_ZERO = ("clip_ratio_c", "logprob_chunk_size")
+_ALGO_NONE_IF_ZERO = ("clip_ratio_c", "logprob_chunk_size", "grad_clip_norm", "value_clip", "minibatch_size",
+                      "microbatch_size")
 
 
 def learner_config_from(config: ml_collections.ConfigDict) -> Any:

@@ -39,7 +39,8 @@ def _filter_tasks(tasks: Sequence[Any], subtasks: Sequence[str]) -> list[Any]:
 class Trainer:
     """Owns the model, sampler, learner, environment pool, logger and checkpointer of one run."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path | None = None):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path | None = None,
+                 checkpoint_dir: str | Path | None = None):
         validate_run_config(config)
         self.config = config
         self.workdir = Path(workdir or config.train.workdir)
@@ -75,7 +76,8 @@ class Trainer:
         )
         self._split_tasks()
         self.logger = MetricLogger(self.workdir, tensorboard=config.train.tensorboard)
-        self.checkpointer = RunCheckpointer(self.workdir / "checkpoints", keep_last=config.train.keep_checkpoints)
+        self.checkpointer = RunCheckpointer(checkpoint_dir or self.workdir / "checkpoints",
+                                            keep_last=config.train.keep_checkpoints)
         self.step = 0
 
     # -- data ------------------------------------------------------------------------------------------
@@ -171,7 +173,8 @@ class Trainer:
         return metrics
 
     def _batch_multiple(self) -> int:
-        multiple = max(1, int(self.config.algo.microbatch_size or 1))
+        algo = self.config.algo
+        multiple = int(np.lcm(max(1, int(algo.minibatch_size or 1)), max(1, int(algo.microbatch_size or 1))))
         if self.mesh is not None:
             mesh_rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
             multiple = int(np.lcm(multiple, mesh_rows))
@@ -274,3 +277,56 @@ def _readable(trajectory: Trajectory) -> dict[str, Any]:
     return {"task_id": trajectory.task_id, "subtask": trajectory.subtask, "score": trajectory.score,
             "success": trajectory.success, "turns": trajectory.turns, "end_reason": trajectory.end_reason,
             "error": trajectory.error, "messages": trajectory.messages}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | None = None,
+                       resume: bool = False) -> dict[str, Any]:
+    """The whole run: optional test evaluation before, training, test evaluation after, export and plot.
+
+    Returns a report (also written to ``workdir/report.json``, and to ``config.train.report_path`` if set).
+    """
+    started = time.perf_counter()
+    trainer = Trainer(config, workdir)
+    report: dict[str, Any] = {"workdir": str(trainer.workdir), "n_test_tasks": len(trainer.test_tasks)}
+    try:
+        if resume and trainer.maybe_resume():
+            report["resumed_from_step"] = trainer.step
+        if config.train.eval_before and trainer.step == 0:
+            before, trajectories = trainer.evaluate(trainer.test_tasks, desc="test eval (before)")
+            report["eval_before"] = before
+            _write_eval(trainer.workdir / "eval_before", before, trajectories)
+        trainer.fit()
+        after, trajectories = trainer.evaluate(trainer.test_tasks, desc="test eval (after)")
+        report["eval_after"] = after
+        _write_eval(trainer.workdir / "eval_after", after, trajectories)
+        if config.train.export_final:
+            report["export"] = str(trainer.export())
+        report["plot"] = str(trainer.plot())
+    finally:
+        trainer.close()
+    report["minutes"] = (time.perf_counter() - started) / 60
+    for key, name in (("eval_before", "before"), ("eval_after", "after")):
+        if key in report:
+            overall = report[key]["overall"]
+            k = report[key]["k"]
+            report[f"success_{name}"] = overall[f"pass@{k}"]
+            report[f"wilson_{name}"] = overall["pass_wilson95"]
+    (Path(report["workdir"]) / "report.json").write_text(json.dumps(report, indent=2))
+    if config.train.report_path:
+        Path(config.train.report_path).parent.mkdir(parents=True, exist_ok=True)
+        keys = ("success_before", "success_after", "wilson_before", "wilson_after", "n_test_tasks", "minutes")
+        summary = {k: report[k] for k in keys if k in report}
+        summary.update({"env": config.env.name, "train_subtasks": list(config.env.train_subtasks),
+                        "steps": int(config.train.steps), "algorithm": config.algo.advantage_estimator,
+                        "eval_k": int(config.eval.k), "eval_greedy": bool(config.eval.greedy)})
+        Path(config.train.report_path).write_text(json.dumps(summary, indent=2) + "\n")
+    return report
+
+
+def _write_eval(prefix: Path, summary: dict[str, Any], trajectories: Sequence[Trajectory]) -> None:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    prefix.with_suffix(".md").write_text(evaluation.markdown_table(summary))
+    with prefix.with_suffix(".trajectories.jsonl").open("w") as handle:
+        for t in trajectories:
+            handle.write(json.dumps(_readable(t), ensure_ascii=False) + "\n")

@@ -53,3 +53,30 @@ def save_hf_model(variant: str, directory: str | Path | None = None, **extra: An
     directory = Path(directory or tempfile.mkdtemp(prefix=f"tiny-{variant}-"))
     make_hf_model(variant, **extra).save_pretrained(directory)
     return directory
+
+
+def save_tiny_chat_model(directory: str | Path, seed: int = 0) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template (vocab 49152), for loop tests."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from agentgym_jax.default_model import prepare_default_model
+    from agentgym_jax.hf import TOKENIZER_FILES
+
+    source = prepare_default_model()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    for name in TOKENIZER_FILES + ("generation_config.json",):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, directory / name)
+    return directory

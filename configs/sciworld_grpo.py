@@ -1,0 +1,34 @@
+"""SciWorld with GRPO, reproducing the original's scripts (Qwen2.5-7B-Instruct on 8 accelerators).
+
+    python -m launch.train --config=configs/sciworld_grpo.py --config.model.path=/models/Qwen2.5-7B-Instruct
+    python -m launch.train --config=configs/sciworld_grpo.py:scaling --config.model.path=...
+
+``fixed``: 20 turns, n=8, 16 tasks/step, 64-trajectory minibatches, prompt 1024 + response 4096, 200 per turn.
+``scaling``: horizons [10, 20, 30] every 100 steps, response 8192.
+Each SciWorld worker runs its own JVM (heap capped), so env.num_workers bounds host memory.
+"""
+
+from agentgym_jax.run_config import base_config
+
+
+def get_config(variant: str = "fixed"):
+    c = base_config()
+    c.env.name = "sciworld"
+    c.env.num_workers = 8
+    c.mesh.shape = (1, 8, 1)
+    c.model.dtype = "bfloat16"
+    c.model.remat = True
+    c.algo.logprob_chunk_size = 1024
+    c.data.tasks_per_step, c.data.samples_per_task = 16, 8
+    c.algo.minibatch_size = 64
+    c.rollout.max_turn_tokens = 200
+    c.train.workdir = f"runs/sciworld_grpo_{variant}"
+    if variant == "fixed":
+        c.horizon.type, c.horizon.turns = "fixed", 20
+        c.rollout.max_trajectory_tokens = 1024 + 4096
+    elif variant == "scaling":
+        c.horizon.type, c.horizon.rounds, c.horizon.steps_per_stage = "stepwise", (10, 20, 30), 100
+        c.rollout.max_trajectory_tokens = 1024 + 8192
+    else:
+        raise ValueError(f"unknown variant {variant!r}; use 'fixed' or 'scaling'")
+    return c

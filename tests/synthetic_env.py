@@ -1,0 +1,44 @@
+"""A trivially learnable multi-turn environment for trainer tests (registered as "letters").
+
+Each episode has ``turns`` agent turns. A turn scores when the agent's reply starts (after spaces) with one of
+the letters a-m, any case; the episode's reward after each turn is the share of turns scored so far, and it ends
+after the last turn. A random policy scores around a third; a policy that learns scores 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from environments.base import Environment, StepResult, Task, check_split, register
+
+GOOD = set("abcdefghijklmABCDEFGHIJKLM")
+
+
+@register("letters")
+class LettersEnvironment(Environment):
+    name = "letters"
+
+    def __init__(self, turns: int = 2, num_train: int = 64, num_test: int = 16):
+        self.turns, self.num_train, self.num_test = turns, num_train, num_test
+        self._turn, self._hits = 0, 0
+
+    def instruction(self) -> str:
+        return "Reply with one word."
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        check_split(split)
+        ids = range(self.num_test) if split == "test" else range(self.num_test, self.num_test + self.num_train)
+        return [Task(task_id=i, split=split, subtask=f"group-{i % 2}") for i in ids]
+
+    def reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
+        self._turn, self._hits = 0, 0
+        return f"Task {task_id}: say a word.", {"task_id": task_id}
+
+    def step(self, action_text: str) -> StepResult:
+        self._turn += 1
+        stripped = action_text.lstrip()
+        self._hits += bool(stripped) and stripped[0] in GOOD
+        done = self._turn >= self.turns
+        score = self._hits / self.turns
+        return StepResult(f"Turn {self._turn} noted. Another word.", score, done,
+                          {"success": done and self._hits == self.turns})
