@@ -55,28 +55,44 @@ def save_hf_model(variant: str, directory: str | Path | None = None, **extra: An
     return directory
 
 
-def save_tiny_chat_model(directory: str | Path, seed: int = 0) -> Path:
-    """A tiny random Llama with the real SmolLM2 tokenizer and chat template (vocab 49152), for loop tests."""
-    import shutil
+CHATML_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_CORPUS = [
+    "Reply with one word.", "Task 3: say a word.", "Turn 1 noted. Another word.", "You are a bot.",
+    "apple banana cherry dog egg fig grape hat ice jam kite lemon melon nut orange pear queen rose sun tree",
+    "umbrella violin water xylophone yak zebra go to red ball pick up the key open door",
+]
 
+
+def save_tiny_chat_model(directory: str | Path, seed: int = 0, vocab_size: int = 320) -> Path:
+    """A tiny random Llama with a small byte-level BPE ChatML tokenizer trained here, for loop tests.
+
+    The small vocabulary lets a random policy's preferences move within a few RL steps.
+    """
     import torch
     import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from agentgym_jax.default_model import prepare_default_model
-    from agentgym_jax.hf import TOKENIZER_FILES
-
-    source = prepare_default_model()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_CORPUS * 10, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     directory = Path(directory)
     model.save_pretrained(directory)
-    for name in TOKENIZER_FILES + ("generation_config.json",):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, directory / name)
+    fast.save_pretrained(directory)
     return directory
