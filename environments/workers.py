@@ -397,6 +397,15 @@ class EnvPool:
         """
         results: dict[int, list] = {w: [] for w in commands}
         pending: dict[Any, int] = {}
+        try:
+            self._collect(commands, results, pending)
+        except BaseException:  # e.g. Ctrl-C: workers still busy would answer the *next* command
+            for index in list(pending.values()):
+                self._replace(index, "interrupted while the worker was busy", results)
+            raise
+        return results
+
+    def _collect(self, commands: Mapping[int, tuple[str, Any]], results: dict[int, list], pending: dict[Any, int]) -> None:
         for index, message in commands.items():
             worker = self._workers[index]
             try:
@@ -445,7 +454,6 @@ class EnvPool:
                     self._workers[index].process.join(timeout=2)
                     code = self._workers[index].process.exitcode
                     self._replace(index, f"worker process died (exit code {code})", results)
-        return results
 
     def _replace(self, index: int, reason: str, results: dict[int, list]) -> None:
         """Kills worker ``index``, marks all its episodes failed with ``reason``, starts a new worker."""

@@ -29,7 +29,11 @@ flags.mark_flag_as_required("env")
 
 def main(argv: list[str]) -> None:
     del argv
+    import logging
+
     import uvicorn
+
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # ScienceWorld's gateway logs every call at INFO
 
     names = [n for n in registered_environments() if n != "agentgym_http"]
     if FLAGS.value not in names:
