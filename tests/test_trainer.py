@@ -156,3 +156,32 @@ def test_launcher_rejects_unknown_key_with_a_clear_message(tmp_path):
     )
     assert result.returncode != 0
     assert "learning_rat" in result.stderr
+
+
+def test_exported_policy_loads_in_transformers_and_generates_like_our_sampler(tiny_dir, tmp_path):
+    import jax
+    import torch
+    import transformers
+
+    from agentgym_jax.sampling import SamplingParams
+    from agentgym_jax.trainer import Trainer
+
+    trainer = Trainer(tiny_config(tiny_dir, tmp_path, steps=2))
+    try:
+        trainer.fit()
+        out = trainer.export(tmp_path / "export")
+        prompt = trainer.chat.render([{"role": "user", "content": "Task 3: say a word."}], add_generation_prompt=True)
+        ids = [int(i) for i in prompt.ids]
+        state = trainer.sampler.new_state(1)
+        _, result = trainer.sampler.generate(state, [ids], jax.random.PRNGKey(0),
+                                             SamplingParams(temperature=0.0, max_new_tokens=12))
+    finally:
+        trainer.close()
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template
+    stops = set(trainer.chat.stop_token_ids)
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=sorted(stops), pad_token_id=0)[0, len(ids):].tolist()
+    assert result.tokens[0] == expected
