@@ -62,6 +62,7 @@ class Trainer:
             mesh=self.mesh,
         )
         self.sampler.update_params(self.learner.policy_state)
+        self._compilations_before = self.sampler.compilations  # the counter is per process
         self.rollout_config = RolloutConfig(
             max_turn_tokens=config.rollout.max_turn_tokens,
             max_trajectory_tokens=config.rollout.max_trajectory_tokens,
@@ -166,7 +167,7 @@ class Trainer:
             "rollout/generated_tokens_per_s": generated / max(stats.sampling_s, 1e-9),
             "rollout/env_steps_per_s": stats.env_steps / max(stats.env_s, 1e-9),
             "rollout/batch_tokens": int(arrays["tokens"].shape[0] * arrays["tokens"].shape[1]),
-            "sampler/compilations": self.sampler.compilations,
+            "sampler/compilations": self.sampler.compilations - self._compilations_before,
         })
         count = self.config.train.sample_log_count
         self.logger.write_samples(step, [_readable(t) for t in trajectories[:count]])
