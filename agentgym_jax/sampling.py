@@ -111,7 +111,7 @@ def _sample_tokens(
     return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_ids", "stop_sequences", "filtered"),
+@partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_ids", "stop_sequences", "filtered", "window"),
          donate_argnames=("cache",))
 def _generate_program(
     state: Any,
@@ -129,11 +129,16 @@ def _generate_program(
     stop_ids: tuple[int, ...],
     stop_sequences: tuple[tuple[int, ...], ...],
     filtered: bool,
+    window: int,
 ):
     model = nnx.merge(graphdef, state)
     batch = new_tokens.shape[0]
     capacity = cache.capacity
     rows = jnp.arange(batch)
+    full_cache = cache
+    if window < capacity:
+        # Attend over the first `window` slots only; the host chose it so no row can pass it in this call.
+        cache = KVCache([k[:, :window] for k in cache.keys], [v[:, :window] for v in cache.values], cache.lengths)
 
     # Prefill: write the new tokens, then read the logits at each row's last new token.
     hidden, cache = model.forward(new_tokens, cache=cache)
@@ -185,7 +190,15 @@ def _generate_program(
                     logprobs=logprobs, count=count, recent=recent)
 
     out = jax.lax.while_loop(cond, body, carry)
-    return out["cache"], out["tokens"], out["logprobs"], out["count"], out["reason"]
+    cache = out["cache"]
+    if window < capacity:
+        write_back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=1)
+        cache = KVCache(
+            [write_back(k, part) for k, part in zip(full_cache.keys, cache.keys)],
+            [write_back(v, part) for v, part in zip(full_cache.values, cache.values)],
+            cache.lengths,
+        )
+    return cache, out["tokens"], out["logprobs"], out["count"], out["reason"]
 
 
 PROGRAM_NAME = "_generate_program"
@@ -202,6 +215,10 @@ class SamplerConfig:
     token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     new_token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # Live-window attention (off when empty): each call attends over only the first W cache slots, W the
+    # smallest bucket >= the longest length any row can reach in that call (else the whole cache). Decode
+    # reads and scores W slots instead of cache_length, at the cost of one program per window bucket used.
+    window_buckets: tuple[int, ...] = ()
 
 
 class Sampler:
@@ -231,6 +248,16 @@ class Sampler:
             multiple = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
             size = -(-size // multiple) * multiple
         return size
+
+    def window(self, lengths: np.ndarray, new_lengths: np.ndarray, max_new_tokens: Sequence[int]) -> int:
+        """Cache slots a call attends over: a window bucket covering every active row's final length."""
+        capacity = self.config.cache_length
+        active = new_lengths > 0
+        if not self.config.window_buckets or not active.any():
+            return capacity
+        reach = int(np.max((lengths + new_lengths + np.asarray(max_new_tokens))[active]))
+        fitting = [w for w in self.config.window_buckets if reach <= w < capacity]
+        return min(fitting) if fitting else capacity
 
     def new_state(self, batch: int) -> SamplerState:
         """Empty caches for ``batch`` episodes (padded to a batch bucket; extra rows stay inactive)."""
@@ -280,6 +307,7 @@ class Sampler:
             if lengths[b]:
                 token_array[b, : lengths[b]] = ids
         max_new = bucket(max(p.max_new_tokens for p in per_row), self.config.new_token_buckets)
+        window = self.window(state.lengths, lengths, [p.max_new_tokens for p in per_row])
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in per_row)
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(batch))
         arrays = dict(
@@ -299,7 +327,7 @@ class Sampler:
             cache, tokens, logprobs, count, reason = _generate_program(
                 self.state, state.cache, keys=keys, graphdef=self.graphdef, max_new=max_new,
                 stop_ids=tuple(self.config.stop_token_ids), stop_sequences=tuple(self.config.stop_sequences),
-                filtered=filtered, **arrays,
+                filtered=filtered, window=window, **arrays,
             )
         state.cache = None  # donated to the program above
         tokens, logprobs, count, reason, cache_lengths = jax.device_get(
