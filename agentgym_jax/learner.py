@@ -514,7 +514,7 @@ class Learner:
             denominator = loss_denominator(config.loss_aggregation, mask.reshape(-1, mask.shape[-1]))
             policy_stack = {k: stack[k] for k in POLICY_FIELDS + (("ref_logp",) if "ref_logp" in stack else ())}
             grads, aux = _accumulated_grads(policy_loss_fn, train_graphdef, policy, policy_stack, denominator)
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             updates, new_opt = optimizer.update(grads, opt_state, policy)
             new_policy = optax.apply_updates(policy, updates)
             finite = jnp.isfinite(aux["total_loss"]) & jnp.isfinite(grad_norm)
@@ -524,7 +524,7 @@ class Learner:
                 critic_grads, critic_aux = _accumulated_grads(
                     value_loss_fn, critic_graphdef, critic, critic_stack, denominator
                 )
-                critic_norm = optax.global_norm(critic_grads)
+                critic_norm = optax.tree.norm(critic_grads)
                 critic_updates, new_critic_opt = critic_optimizer.update(critic_grads, critic_opt, critic)
                 new_critic = optax.apply_updates(critic, critic_updates)
                 finite = finite & jnp.isfinite(critic_aux["value_loss"]) & jnp.isfinite(critic_norm)
