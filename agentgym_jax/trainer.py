@@ -29,7 +29,8 @@ from agentgym_jax.rollout import END_REASONS, RolloutConfig, Trajectory, pack_tr
 from agentgym_jax.run_config import learner_config_from, resolve_model_path, validate_run_config
 from agentgym_jax.sampling import Sampler, SamplerConfig
 
-LENGTH_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288,
+                  16384)
 
 
 def _filter_tasks(tasks: Sequence[Any], subtasks: Sequence[str]) -> list[Any]:
@@ -58,7 +59,9 @@ class Trainer:
         cache_length = bucket(config.rollout.max_trajectory_tokens, LENGTH_BUCKETS)
         self.sampler = Sampler(
             model, SamplerConfig(cache_length=cache_length, stop_token_ids=tuple(self.chat.stop_token_ids),
-                                 cache_dtype=config.model.dtype),
+                                 cache_dtype=config.model.dtype,
+                                 window_buckets=tuple(b for b in LENGTH_BUCKETS if b < cache_length),
+                                 token_buckets=(16, 32, 64, 128) + tuple(b for b in LENGTH_BUCKETS if b > 128)),
             mesh=self.mesh,
         )
         self.sampler.update_params(self.learner.policy_state)

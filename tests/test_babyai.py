@@ -402,3 +402,14 @@ def test_reset_is_repeatable_in_process(env):
     env.step(react("turn left"))
     env.reset(5)
     assert env.reset(321)[0] == first
+
+
+def test_compact_instruction_keeps_the_format_and_example():
+    from environments.babyai.env import BabyAIEnvironment
+
+    compact = BabyAIEnvironment(instruction_style="compact").instruction()
+    full = BabyAIEnvironment().instruction()
+    assert len(compact) < len(full) / 2
+    assert "Action:\ngo to red ball 1" in compact and "Available actions" in compact
+    with pytest.raises(ValueError, match="instruction_style"):
+        BabyAIEnvironment(instruction_style="verbose")

@@ -14,7 +14,7 @@ from environments.base import EnvError, Environment, InvalidTaskError, StepResul
 from environments.babyai import levels as levels_lib
 from environments.babyai.parsing import check_matching_mode, extract_action, match_action
 from environments.babyai.planner import CHECK_ACTIONS, FORWARD, MacroTable, macro_actions
-from environments.babyai.prompt import INSTRUCTION
+from environments.babyai.prompt import INSTRUCTIONS
 from environments.babyai.view import describe, observe
 
 NOT_RECOGNIZED = "The action is not recognized. Please check valid actions."
@@ -45,8 +45,12 @@ class BabyAIEnvironment(Environment):
 
     name = "babyai"
 
-    def __init__(self, action_matching: str = "exact", num_test_seeds: int = 3, num_train_seeds: int = 100):
+    def __init__(self, action_matching: str = "exact", num_test_seeds: int = 3, num_train_seeds: int = 100,
+                 instruction_style: str = "full"):
         self.action_matching = check_matching_mode(action_matching)
+        if instruction_style not in INSTRUCTIONS:
+            raise ValueError(f"instruction_style must be one of {sorted(INSTRUCTIONS)}, got {instruction_style!r}")
+        self._instruction = INSTRUCTIONS[instruction_style]
         self.splits = levels_lib.SplitConfig(num_test_seeds=num_test_seeds, num_train_seeds=num_train_seeds)
         self._envs: dict[str, Any] = {}  # gymnasium env per level, built on first use
         self._env: Any = None  # the unwrapped minigrid env of the current episode
@@ -57,7 +61,7 @@ class BabyAIEnvironment(Environment):
 
     # -- protocol ---------------------------------------------------------------------------------
     def instruction(self) -> str:
-        return INSTRUCTION
+        return self._instruction
 
     def tasks(self, split: str) -> Sequence[Task]:
         return self.splits.tasks(split)

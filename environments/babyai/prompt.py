@@ -31,3 +31,21 @@ Thought: The red ball is ahead of me.
 
 Action:
 go to red ball 1"""
+
+
+# A short variant for small models and CPU runs (about a quarter of the tokens): same format, same example.
+COMPACT_INSTRUCTION = """You are an agent in a grid world. Reach the goal given as "Your goal: ...". Each observation lists what you see and ends with "Available actions". Choose one of the available actions and copy it exactly.
+
+Answer in this format:
+Thought: <short reasoning>
+
+Action:
+<one available action>
+
+Example:
+Thought: The red ball is ahead of me.
+
+Action:
+go to red ball 1"""
+
+INSTRUCTIONS = {"full": INSTRUCTION, "compact": COMPACT_INSTRUCTION}
