@@ -1,0 +1,255 @@
+"""One RL optimizer step on SmolLM2-135M-Instruct, batch 8 x 512 tokens: agentgym-jax's Learner vs torch + transformers.
+
+Both sides do the same work per step: a teacher-forced forward over the batch, token log-probs of every agent
+token, the PPO-clip loss on GRPO advantages with an entropy bonus (seq-mean-token-mean), backward, global-norm
+clipping at 1.0 and one AdamW update, with fp32 master parameters. ``bfloat16`` means bf16 compute with fp32
+parameters on both sides (ours: ``compute_dtype='bfloat16'``; torch: ``torch.autocast('cpu', torch.bfloat16)``).
+Ours runs ``Learner.update`` (old log-probs from the batch, no reference policy: one train step per call).
+
+Each side runs in its own subprocess, so its peak RSS is its own. The achieved FLOP/s (model FLOPs: 6 x matmul
+parameters x tokens + causal-agnostic attention 12 x layers x B x T^2 x heads x head_dim) is divided by the FLOP/s
+of a large jitted JAX matmul of the same dtype, measured in the same run.
+
+    .venv/bin/python -m benchmarks.train_step            # writes benchmarks/results/train_step.json
+    .venv/bin/python -m benchmarks.train_step --steps 2  # fewer timed steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import cpu_facts, median, peak_rss_mib, write_json
+
+BATCH, SEQ_LEN = 8, 512
+DTYPES = ("float32", "bfloat16")
+SEED = 0
+
+
+def _batch_arrays(vocab: int) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(SEED)
+    tokens = rs.randint(0, vocab, (BATCH, SEQ_LEN)).astype(np.int32)
+    mask = np.ones((BATCH, SEQ_LEN), np.float32)
+    mask[:, 0] = 0.0
+    old_logp = np.where(mask > 0, -np.log(vocab) + 0.1 * rs.randn(BATCH, SEQ_LEN), 0.0).astype(np.float32)
+    scores = rs.rand(BATCH).astype(np.float32)
+    groups = np.repeat(np.arange(BATCH // 4), 4).astype(np.int32)
+    return dict(tokens=tokens, loss_mask=mask, old_logp=old_logp, scores=scores, group_ids=groups)
+
+
+def model_flops_per_step(config: dict[str, Any]) -> float:
+    """Training FLOPs of one step (forward + backward, no remat recompute counted)."""
+    d, f, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or d // heads
+    q, k = heads * head_dim, kv * head_dim
+    matmul_params = layers * (d * (q + 2 * k) + q * d + 3 * d * f) + d * config["vocab_size"]
+    tokens = BATCH * SEQ_LEN
+    attention = 12 * layers * BATCH * SEQ_LEN**2 * q
+    return 6.0 * matmul_params * tokens + attention
+
+
+# ------------------------------------------------------------------------------------------------- sides
+
+
+def run_ours(model_dir: str, dtype: str, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    import jax
+
+    from agentgym_jax import hf
+    from agentgym_jax.batch import TrajectoryBatch
+    from agentgym_jax.learner import Learner, LearnerConfig
+
+    model = hf.load_model(model_dir, param_dtype="float32", dtype="float32")
+    config = LearnerConfig(
+        learning_rate=1e-6, old_logp_source="sampler", use_reference=False, kl_coef=0.0,
+        compute_dtype=dtype, remat=options["remat"], logprob_chunk_size=options["chunk"],
+        minibatch_size=BATCH, microbatch_size=options["microbatch"],
+    )
+    learner = Learner(model, config)
+    del model
+    batch = TrajectoryBatch.create(**_batch_arrays(learner.policy_model().config.vocab_size))
+    seconds, losses = [], []
+    for i in range(steps + 1):  # the first call compiles
+        start = time.perf_counter()
+        metrics = learner.update(batch, jax.random.PRNGKey(i))
+        jax.block_until_ready(learner.policy_state)
+        seconds.append(time.perf_counter() - start)
+        losses.append(metrics["total_loss"])
+    return dict(first_call_s=seconds[0], step_seconds=seconds[1:], losses=losses, options=options)
+
+
+def run_torch(model_dir: str, dtype: str, steps: int) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    arrays = _batch_arrays(model.config.vocab_size)
+    tokens = torch.from_numpy(arrays["tokens"]).long()
+    mask = torch.from_numpy(arrays["loss_mask"])
+    old_logp = torch.from_numpy(arrays["old_logp"])
+    scores = torch.from_numpy(arrays["scores"]).view(-1, 4)
+    advantages = ((scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+    def step() -> float:
+        with autocast:
+            logits = model(input_ids=tokens).logits
+        logits = logits[:, :-1].float()
+        log_probs = torch.log_softmax(logits, -1)
+        logp = log_probs.gather(-1, tokens[:, 1:, None])[..., 0]
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        m = mask[:, 1:]
+        ratio = torch.exp(logp - old_logp[:, 1:])
+        pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
+        per_token = pg - 0.001 * entropy
+        loss = ((per_token * m).sum(1) / m.sum(1)).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    seconds, losses = [], []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        losses.append(step())
+        seconds.append(time.perf_counter() - start)
+    return dict(first_call_s=seconds[0], step_seconds=seconds[1:], losses=losses, threads=torch.get_num_threads())
+
+
+def run_matmul(size: int, repeats: int = 5) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    out = {}
+    for dtype in DTYPES:
+        a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32).astype(dtype)
+        b = jax.random.normal(jax.random.PRNGKey(1), (size, size), jnp.float32).astype(dtype)
+        matmul = jax.jit(lambda x, y: x @ y)
+        matmul(a, b).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            matmul(a, b).block_until_ready()
+            times.append(time.perf_counter() - start)
+        out[dtype] = 2.0 * size**3 / median(times)
+    return dict(size=size, flops_per_s=out)
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+
+def _child(args: argparse.Namespace) -> None:
+    options = json.loads(args.options)
+    if args.side == "ours":
+        result = run_ours(args.model_dir, args.dtype, args.steps, options)
+    elif args.side == "torch":
+        result = run_torch(args.model_dir, args.dtype, args.steps)
+    else:
+        result = run_matmul(options["size"])
+    result["peak_rss_gb"] = peak_rss_mib() / 1024.0
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _spawn(side: str, model_dir: str, dtype: str, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    command = [sys.executable, "-m", "benchmarks.train_step", "--child", "--side", side, "--model-dir", model_dir,
+               "--dtype", dtype, "--steps", str(steps), "--options", json.dumps(options)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device, all cores
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{side} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["wall_s"] = time.perf_counter() - started
+    print(f"{side:6s} {dtype:9s} {result}", file=sys.stderr, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--remat", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=128, help="logprob_chunk_size (0: full logits)")
+    parser.add_argument("--microbatch", type=int, default=BATCH)
+    parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args)
+        return
+
+    from agentgym_jax.default_model import prepare_default_model
+
+    model_dir = str(prepare_default_model())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    flops = model_flops_per_step(config)
+    tokens = BATCH * SEQ_LEN
+    options = dict(remat=bool(args.remat), chunk=args.chunk or None, microbatch=args.microbatch)
+    dtypes = args.dtypes.split(",")
+    matmul = _spawn("matmul", model_dir, "float32", 0, dict(size=args.matmul_size))
+    per_dtype: dict[str, Any] = {}
+    for dtype in dtypes:
+        ours = _spawn("ours", model_dir, dtype, args.steps, options)
+        torch_side = _spawn("torch", model_dir, dtype, args.steps, {})
+        ours_s, torch_s = median(ours["step_seconds"]), median(torch_side["step_seconds"])
+        per_dtype[dtype] = dict(
+            ours=dict(tokens_per_s=tokens / ours_s, step_s=ours_s, peak_rss_gb=ours["peak_rss_gb"],
+                      first_call_s=ours["first_call_s"], step_seconds=ours["step_seconds"], loss=ours["losses"][0]),
+            torch=dict(tokens_per_s=tokens / torch_s, step_s=torch_s, peak_rss_gb=torch_side["peak_rss_gb"],
+                       first_call_s=torch_side["first_call_s"], step_seconds=torch_side["step_seconds"],
+                       loss=torch_side["losses"][0], threads=torch_side["threads"]),
+            ratio_vs_torch=torch_s / ours_s,
+            achieved_flops_per_s_ours=flops / ours_s,
+            achieved_flops_per_s_torch=flops / torch_s,
+            mfu_vs_matmul_ours=flops / ours_s / matmul["flops_per_s"][dtype],
+            mfu_vs_matmul_torch=flops / torch_s / matmul["flops_per_s"][dtype],
+        )
+    headline = "float32" if "float32" in per_dtype else dtypes[0]
+    best_ours = max(per_dtype, key=lambda d: per_dtype[d]["ours"]["tokens_per_s"])
+    best_torch = max(per_dtype, key=lambda d: per_dtype[d]["torch"]["tokens_per_s"])
+    payload = dict(
+        ratio_vs_torch=per_dtype[headline]["ratio_vs_torch"],
+        mfu_vs_matmul=per_dtype[headline]["mfu_vs_matmul_ours"],
+        peak_rss_gb_ours=per_dtype[headline]["ours"]["peak_rss_gb"],
+        peak_rss_gb_torch=per_dtype[headline]["torch"]["peak_rss_gb"],
+        headline_dtype=headline,
+        ratio_best_ours_vs_best_torch=(
+            per_dtype[best_ours]["ours"]["tokens_per_s"] / per_dtype[best_torch]["torch"]["tokens_per_s"]
+        ),
+        best_dtype_ours=best_ours,
+        best_dtype_torch=best_torch,
+        per_dtype=per_dtype,
+        matmul=matmul,
+        model="SmolLM2-135M-Instruct (dequantized Q4_1 GGUF, fp32)",
+        batch=dict(rows=BATCH, seq_len=SEQ_LEN, agent_tokens_per_row=SEQ_LEN - 1),
+        model_flops_per_step=flops,
+        ours_options=options,
+        timed_steps=args.steps,
+        statistic="median of timed steps after one warm-up (compiling) step; each side in its own subprocess",
+        machine=cpu_facts(),
+    )
+    if not args.no_write:
+        print(write_json("train_step", payload))
+    print(json.dumps({k: v for k, v in payload.items() if not isinstance(v, dict)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
