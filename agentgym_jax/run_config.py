@@ -145,3 +145,17 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
     _require(config.eval.horizon >= 0, "eval.horizon", "must be >= 0 (0: the schedule's largest horizon)")
     _require(config.eval.batch_tasks >= 1, "eval.batch_tasks", "must be >= 1")
     learner_config_from(config)
+
+
+def accelerator_config(env_name: str, variant: str) -> ml_collections.ConfigDict:
+    """Defaults of the original's 8-accelerator recipes: FSDP over 8 devices, bf16 compute with fp32 master
+    parameters, per-layer remat, chunked log-probs, one env worker per device."""
+    c = base_config()
+    c.env.name = env_name
+    c.env.num_workers = 8
+    c.mesh.shape = (1, 8, 1)
+    c.model.dtype = "bfloat16"
+    c.model.remat = True
+    c.algo.logprob_chunk_size = 1024
+    c.train.workdir = f"runs/{env_name}_grpo_{variant}"
+    return c

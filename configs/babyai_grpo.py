@@ -9,19 +9,12 @@ minibatches, prompt 1024 + response 4096 tokens, 200 tokens per turn.
 32 tasks/step, 32-trajectory minibatches, 512 tokens per turn, response 8192, ppo_epochs 2 (honoured here).
 """
 
-from agentgym_jax.run_config import base_config
+from agentgym_jax.run_config import accelerator_config
 
 
 def get_config(variant: str = "fixed"):
-    c = base_config()
-    c.env.name = "babyai"
+    c = accelerator_config("babyai", variant)
     c.env.kwargs = dict(action_matching="exact")
-    c.env.num_workers = 8
-    c.mesh.shape = (1, 8, 1)
-    c.model.dtype = "bfloat16"
-    c.model.remat = True
-    c.algo.logprob_chunk_size = 1024
-    c.train.workdir = f"runs/babyai_grpo_{variant}"
     if variant == "fixed":
         c.horizon = dict(type="fixed", turns=20, rounds=(20,), steps_per_stage=100, stage_starts=(), start=1,
                          end=1, increment=1)

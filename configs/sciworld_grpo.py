@@ -8,21 +8,14 @@
 Each SciWorld worker runs its own JVM (heap capped), so env.num_workers bounds host memory.
 """
 
-from agentgym_jax.run_config import base_config
+from agentgym_jax.run_config import accelerator_config
 
 
 def get_config(variant: str = "fixed"):
-    c = base_config()
-    c.env.name = "sciworld"
-    c.env.num_workers = 8
-    c.mesh.shape = (1, 8, 1)
-    c.model.dtype = "bfloat16"
-    c.model.remat = True
-    c.algo.logprob_chunk_size = 1024
+    c = accelerator_config("sciworld", variant)
     c.data.tasks_per_step, c.data.samples_per_task = 16, 8
     c.algo.minibatch_size = 64
     c.rollout.max_turn_tokens = 200
-    c.train.workdir = f"runs/sciworld_grpo_{variant}"
     if variant == "fixed":
         c.horizon.type, c.horizon.turns = "fixed", 20
         c.rollout.max_trajectory_tokens = 1024 + 4096

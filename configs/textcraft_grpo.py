@@ -7,21 +7,14 @@
 ``scaling``: horizons [10, 20, 30] every 100 steps, otherwise the same; ppo_epochs 2 (honoured here).
 """
 
-from agentgym_jax.run_config import base_config
+from agentgym_jax.run_config import accelerator_config
 
 
 def get_config(variant: str = "fixed"):
-    c = base_config()
-    c.env.name = "textcraft"
-    c.env.num_workers = 8
-    c.mesh.shape = (1, 8, 1)
-    c.model.dtype = "bfloat16"
-    c.model.remat = True
-    c.algo.logprob_chunk_size = 1024
+    c = accelerator_config("textcraft", variant)
     c.data.tasks_per_step, c.data.samples_per_task = 32, 8
     c.algo.minibatch_size, c.algo.ppo_epochs = 64, 2
     c.rollout.max_turn_tokens, c.rollout.max_trajectory_tokens = 512, 512 + 10240
-    c.train.workdir = f"runs/textcraft_grpo_{variant}"
     if variant == "fixed":
         c.horizon.type, c.horizon.turns = "fixed", 30
     elif variant == "scaling":

@@ -1,0 +1,36 @@
+"""Every shipped config (and variant) validates, and the ScalingInter variants follow the original's schedules."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from agentgym_jax import schedule
+from agentgym_jax.run_config import validate_run_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def load(name, variant=None):
+    spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant) if variant else module.get_config()
+
+
+@pytest.mark.parametrize("name,variant", [
+    ("cpu_demo", None), ("babyai_grpo", "fixed"), ("babyai_grpo", "scaling"), ("textcraft_grpo", "fixed"),
+    ("textcraft_grpo", "scaling"), ("sciworld_grpo", "fixed"), ("sciworld_grpo", "scaling"),
+])
+def test_config_validates(name, variant):
+    validate_run_config(load(name, variant))
+
+
+@pytest.mark.parametrize("name,horizons", [
+    ("babyai_grpo", {1: 6, 100: 6, 101: 13, 201: 20}),
+    ("textcraft_grpo", {1: 10, 101: 20, 201: 30}),
+    ("sciworld_grpo", {1: 10, 101: 20, 201: 30}),
+])
+def test_scaling_variants_follow_the_original_schedules(name, horizons):
+    config = load(name, "scaling")
+    assert {s: schedule.horizon_at(config.horizon, s) for s in horizons} == horizons
