@@ -1,0 +1,221 @@
+"""Sampler benchmark: our jitted sampler vs transformers ``generate`` on SmolLM2-135M-Instruct, same run.
+
+Measures generated tokens/s (end to end: prefill + 64 greedy tokens, no early stop) at batch 1, 8 and 32 with
+~200-token prompts, fp32 and bf16 for both; compile time apart from steady state; decode step time beside the
+memory-bandwidth bound; a multi-turn rollout with KV-cache extend vs re-prefilling the history each turn;
+which matmul paths XLA and torch take on this CPU; peak RSS. Ours and torch are timed interleaved (the machine
+is shared), medians of the repeats. Writes ``benchmarks/results/sampler.json``.
+
+Usage: python -m benchmarks.sampler [--repeats=3] [--repeats_b32=2] [--multiturn_batch=4]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from absl import app, flags
+
+from agentgym_jax import compile_stats, hf
+from agentgym_jax.default_model import prepare_default_model
+from agentgym_jax.model import KVCache
+from agentgym_jax.sampling import PROGRAM_NAME, Sampler, SamplerConfig, SamplingParams
+from benchmarks import common
+
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per case at batch 1 and 8 (after a warm-up run).")
+_REPEATS_B32 = flags.DEFINE_integer("repeats_b32", 2, "Timed runs per case at batch 32.")
+_MULTITURN_BATCH = flags.DEFINE_integer("multiturn_batch", 4, "Episodes in the multi-turn case.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
+
+PROMPT_TOKENS, NEW_TOKENS = 200, 64
+TURNS, OBS_TOKENS, TURN_TOKENS = 8, 64, 32
+WINDOW_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536)
+DTYPES = ("float32", "bfloat16")
+
+
+def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return [rng.randint(100, 40000, length).tolist() for _ in range(batch)]
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n)
+
+
+def _ours_run(sampler: Sampler, prompts: list[list[int]], n: int) -> float:
+    state = sampler.new_state(len(prompts))
+    start = time.perf_counter()
+    _, result = sampler.generate(state, prompts, jax.random.PRNGKey(0), _greedy(n))
+    seconds = time.perf_counter() - start
+    if any(len(t) != n for t in result.tokens):
+        raise RuntimeError("a row stopped early; the benchmark needs exactly n tokens per row")
+    return seconds
+
+
+def _torch_run(model: Any, prompts: list[list[int]], n: int) -> float:
+    ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=[-1],
+            pad_token_id=2, use_cache=True,
+        )
+    seconds = time.perf_counter() - start
+    if out.shape[1] - ids.shape[1] != n:
+        raise RuntimeError("transformers generated fewer tokens than asked")
+    return seconds
+
+
+def matmul_paths() -> dict[str, Any]:
+    """Which kernels a bf16 matmul uses: XLA's optimized HLO, torch's oneDNN (mkldnn) support."""
+    a = jnp.ones((64, 576), jnp.bfloat16)
+    b = jnp.ones((576, 1536), jnp.bfloat16)
+    hlo = jax.jit(lambda x, y: x @ y).lower(a, b).compile().as_text()
+    dot_lines = [line.strip() for line in hlo.splitlines() if " dot(" in line or "custom-call" in line]
+    return {
+        "xla_bf16_dot_hlo": dot_lines[:4],
+        "xla_bf16_dot_upcast_to_f32": any("f32" in line and "dot(" in line for line in dot_lines),
+        "xla_onednn_custom_call": "onednn" in hlo.lower(),
+        "torch_mkldnn_available": bool(torch.backends.mkldnn.is_available()),
+        "torch_mkldnn_bf16_supported": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def decode_bound(config: Any, dtype: str, batch: int, mean_length: float, bandwidth_gbs: float) -> dict[str, float]:
+    """Per-step bytes (all weights + the live KV slots) and the tokens/s that bandwidth allows."""
+    itemsize = 2 if dtype == "bfloat16" else 4
+    weight_bytes = config.num_params() * itemsize
+    cache_bytes = KVCache.nbytes(config, batch, int(mean_length), dtype)
+    step = (weight_bytes + cache_bytes) / (bandwidth_gbs * 1e9)
+    return {"bytes_per_step": weight_bytes + cache_bytes, "bound_step_ms": 1000 * step,
+            "bound_tokens_per_s": batch / step}
+
+
+def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
+    rows = []
+    prompts = _prompts(batch, PROMPT_TOKENS, batch)
+    for dtype in DTYPES:
+        sampler = Sampler(ours[dtype], SamplerConfig(cache_length=512, window_buckets=WINDOW_BUCKETS,
+                                                     new_token_buckets=(1, 64)))
+        compiles = compile_stats.compile_seconds(PROGRAM_NAME)
+        first = _ours_run(sampler, prompts, NEW_TOKENS)
+        compile_s = compile_stats.compile_seconds(PROGRAM_NAME) - compiles
+        torch_first = _torch_run(theirs[dtype], prompts, NEW_TOKENS)
+        ours_s, torch_s = [], []
+        for _ in range(repeats):  # interleaved: both see the same machine load
+            ours_s.append(_ours_run(sampler, prompts, NEW_TOKENS))
+            torch_s.append(_torch_run(theirs[dtype], prompts, NEW_TOKENS))
+        row = dict(
+            batch=batch, dtype=dtype, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS,
+            ours_seconds=common.median(ours_s), torch_seconds=common.median(torch_s),
+            ours_tokens_per_s=batch * NEW_TOKENS / common.median(ours_s),
+            torch_tokens_per_s=batch * NEW_TOKENS / common.median(torch_s),
+            ours_first_call_seconds=first, ours_compile_seconds=compile_s, torch_first_call_seconds=torch_first,
+            ours_runs=ours_s, torch_runs=torch_s,
+        )
+        row["ratio"] = row["ours_tokens_per_s"] / row["torch_tokens_per_s"]
+        if batch == 8:  # decode step time from a prefill-only run, beside the bandwidth bound
+            _ours_run(sampler, prompts, 1)
+            prefill = common.median([_ours_run(sampler, prompts, 1) for _ in range(2)])
+            step_ms = 1000 * (row["ours_seconds"] - prefill) / (NEW_TOKENS - 1)
+            row.update(ours_prefill_seconds=prefill, ours_decode_step_ms=step_ms,
+                       **decode_bound(ours[dtype].config, dtype, batch, PROMPT_TOKENS + NEW_TOKENS / 2, bandwidth))
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("runs")},
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def multi_turn(model: Any, batch: int) -> dict[str, Any]:
+    """8 turns of (+64 observation tokens, 32 generated): extend the cache vs re-prefill the whole history."""
+    rng = np.random.RandomState(7)
+    first = _prompts(batch, PROMPT_TOKENS, 99)
+    observations = [[rng.randint(100, 40000, OBS_TOKENS).tolist() for _ in range(batch)] for _ in range(TURNS)]
+    config = SamplerConfig(cache_length=1024, window_buckets=WINDOW_BUCKETS)
+    params = _greedy(TURN_TOKENS)
+
+    def extend() -> float:
+        sampler = Sampler(model, config)
+        state, new = sampler.new_state(batch), first
+        start = time.perf_counter()
+        for turn in range(TURNS):
+            state, result = sampler.generate(state, new, jax.random.PRNGKey(turn), params)
+            new = observations[turn]
+        return time.perf_counter() - start
+
+    def reprefill() -> float:
+        sampler = Sampler(model, config)
+        history = [list(p) for p in first]
+        start = time.perf_counter()
+        for turn in range(TURNS):
+            _, result = sampler.generate(sampler.new_state(batch), history, jax.random.PRNGKey(turn), params)
+            history = [h + t + o for h, t, o in zip(history, result.tokens, observations[turn])]
+        return time.perf_counter() - start
+
+    out: dict[str, Any] = dict(batch=batch, turns=TURNS, obs_tokens=OBS_TOKENS, generated_per_turn=TURN_TOKENS,
+                               prompt_tokens=PROMPT_TOKENS, dtype=model.config.dtype)
+    for name, fn in (("extend", extend), ("reprefill", reprefill)):
+        before = compile_stats.compile_seconds(PROGRAM_NAME)
+        compiles_before = compile_stats.compilations(PROGRAM_NAME)
+        first_s = fn()
+        out[f"{name}_first_seconds"] = first_s
+        out[f"{name}_compile_seconds"] = compile_stats.compile_seconds(PROGRAM_NAME) - before
+        out[f"{name}_programs_compiled"] = compile_stats.compilations(PROGRAM_NAME) - compiles_before
+        out[f"{name}_seconds"] = fn()
+        print(name, {k: round(v, 2) for k, v in out.items() if k.startswith(name)}, flush=True)
+    out["ratio"] = out["reprefill_seconds"] / out["extend_seconds"]
+    return out
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    compile_stats.install()
+    wall = time.perf_counter()
+    from transformers import AutoModelForCausalLM
+
+    model_dir = prepare_default_model()
+    bandwidth = common.memory_bandwidth_gbs()
+    ours = {d: hf.load_model(model_dir, param_dtype=d, dtype=d) for d in DTYPES}
+    theirs = {d: AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, d)).eval() for d in DTYPES}
+    paths = matmul_paths()
+    print(paths, flush=True)
+    table = []
+    for batch in [int(b) for b in _BATCHES.value]:
+        table += single_turn(ours, theirs, batch, _REPEATS_B32.value if batch >= 32 else _REPEATS.value, bandwidth)
+    multiturn = multi_turn(ours["float32"], _MULTITURN_BATCH.value)
+
+    def best_ratio(batch: int) -> float | None:
+        rows = [r for r in table if r["batch"] == batch]
+        if not rows:
+            return None
+        return max(r["ours_tokens_per_s"] for r in rows) / max(r["torch_tokens_per_s"] for r in rows)
+
+    payload = dict(
+        ratio_b8=best_ratio(8), ratio_b32=best_ratio(32), multiturn_ratio=multiturn["ratio"],
+        ratio_b1=best_ratio(1),
+        definition=("tokens/s = batch x 64 generated tokens / wall seconds of one generate call (prefill of the "
+                    "~200-token prompts included, greedy, no early stop); ratios use each side's best dtype; "
+                    "multiturn_ratio = re-prefill seconds / extend seconds"),
+        table=table, multiturn=multiturn, matmul_paths=paths,
+        memory_bandwidth_gbs_copy=bandwidth, cpu=common.cpu_facts(),
+        load_average_at_end=list(os.getloadavg()), peak_rss_mib=common.peak_rss_mib(),
+        benchmark_seconds=time.perf_counter() - wall,
+        versions=dict(jax=jax.__version__, torch=torch.__version__),
+    )
+    print(common.write_json("sampler", payload))
+
+
+if __name__ == "__main__":
+    app.run(main)
