@@ -21,7 +21,9 @@ def wilson_interval(successes: int, total: int, z: float = 1.959963984540054) ->
     denominator = 1 + z * z / total
     centre = (p + z * z / (2 * total)) / denominator
     half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    low = 0.0 if successes == 0 else max(0.0, centre - half)  # exact endpoints, no rounding residue
+    high = 1.0 if successes == total else min(1.0, centre + half)
+    return (low, high)
 
 
 def summarize(trajectories: Sequence[Any], k: int) -> dict[str, Any]:
