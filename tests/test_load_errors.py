@@ -44,31 +44,25 @@ def test_unsupported_architecture(good_dir, tmp_path, model_type, arch):
         hf.load_model(target)
 
 
-def test_missing_tensor(good_dir, tmp_path):
+def _edited_checkpoint(good_dir, tmp_path, edit):
+    """A copy of the good checkpoint whose tensors ``edit(tensors)`` changed in place."""
     target = _copy(good_dir, tmp_path)
     tensors = load_file(target / "model.safetensors")
-    del tensors["model.layers.1.mlp.down_proj.weight"]
+    edit(tensors)
     save_file(tensors, target / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"lacks 1 tensor.*model\.layers\.1\.mlp\.down_proj\.weight"):
-        hf.load_model(target)
+    return target
 
 
-def test_wrongly_shaped_tensor(good_dir, tmp_path):
-    target = _copy(good_dir, tmp_path)
-    tensors = load_file(target / "model.safetensors")
-    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
-    save_file(tensors, target / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"k_proj\.weight .* has shape \(8, 64\), expected \(32, 64\)"):
-        hf.load_model(target)
-
-
-def test_unexpected_tensor(good_dir, tmp_path):
-    target = _copy(good_dir, tmp_path)
-    tensors = load_file(target / "model.safetensors")
-    tensors["model.layers.0.extra.weight"] = np.zeros((2,), np.float32)
-    save_file(tensors, target / "model.safetensors")
-    with pytest.raises(CheckpointError, match="does not use"):
-        hf.load_model(target)
+@pytest.mark.parametrize("edit,match", [
+    (lambda t: t.pop("model.layers.1.mlp.down_proj.weight"),
+     r"lacks 1 tensor.*model\.layers\.1\.mlp\.down_proj\.weight"),
+    (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((8, 64), np.float32)}),
+     r"k_proj\.weight .* has shape \(8, 64\), expected \(32, 64\)"),
+    (lambda t: t.update({"model.layers.0.extra.weight": np.zeros((2,), np.float32)}), "does not use"),
+], ids=["missing", "wrong-shape", "unexpected"])
+def test_bad_tensors(good_dir, tmp_path, edit, match):
+    with pytest.raises(CheckpointError, match=match):
+        hf.load_model(_edited_checkpoint(good_dir, tmp_path, edit))
 
 
 def test_truncated_safetensors(good_dir, tmp_path):
