@@ -263,9 +263,7 @@ class Sampler:
         """Empty caches for ``batch`` episodes (padded to a batch bucket; extra rows stay inactive)."""
         padded = self.batch_bucket(batch)
         with sharding.use_mesh(self.mesh):
-            cache = jax.jit(
-                lambda: KVCache.zeros(self.model_config, padded, self.config.cache_length, self.config.cache_dtype)
-            )()
+            cache = _empty_cache_program(self.model_config, padded, self.config.cache_length, self.config.cache_dtype)
         return SamplerState(cache=cache, lengths=np.zeros((padded,), np.int64))
 
     def generate(
@@ -352,6 +350,12 @@ class Sampler:
             cache = _select_rows_program(state.cache, jnp.asarray(index), jnp.asarray(keep))
         lengths = np.where(keep, state.lengths[index], 0)
         return SamplerState(cache=cache, lengths=lengths)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _empty_cache_program(config: Any, batch: int, length: int, dtype: Any) -> KVCache:
+    # Module-level so repeated rollouts of the same shape reuse one compiled program.
+    return KVCache.zeros(config, batch, length, dtype)
 
 
 @jax.jit

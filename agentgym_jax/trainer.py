@@ -20,10 +20,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agentgym_jax import evaluation, hf, schedule, sharding
+from agentgym_jax.batch import TrajectoryBatch
 from agentgym_jax.buckets import bucket
 from agentgym_jax.chat import ChatTokenizer
 from agentgym_jax.checkpoint import RunCheckpointer
 from agentgym_jax.errors import ConfigError
+from agentgym_jax.learner import Learner
 from agentgym_jax.metrics_log import MetricLogger, plot_run
 from agentgym_jax.rollout import END_REASONS, RolloutConfig, Trajectory, pack_trajectories, run_rollout
 from agentgym_jax.run_config import learner_config_from, resolve_model_path, validate_run_config
@@ -53,8 +55,6 @@ class Trainer:
             self.model_dir, mesh=self.mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
             remat=config.model.remat,
         )
-        from agentgym_jax.learner import Learner
-
         self.learner = Learner(model, learner_config_from(config), mesh=self.mesh)
         cache_length = bucket(config.rollout.max_trajectory_tokens, LENGTH_BUCKETS)
         self.sampler = Sampler(
@@ -153,8 +153,6 @@ class Trainer:
         arrays = pack_trajectories(
             trajectories, LENGTH_BUCKETS, batch_multiple=self._batch_multiple(), pad_id=self.chat.pad_token_id
         )
-        from agentgym_jax.batch import TrajectoryBatch
-
         update_metrics = self.learner.update(TrajectoryBatch(**arrays), update_key)
         self.sampler.update_params(self.learner.policy_state)
         t_train = time.perf_counter()
