@@ -350,6 +350,14 @@ class ChatTokenizer:
         """Text forms of the stop tokens (for samplers that match strings)."""
         return tuple(self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids)))
 
+    def newline_token_ids(self) -> tuple[int, ...]:
+        """Ids of every ordinary token whose text contains a line break (stop ids that end a turn at its first
+        line; special tokens excluded)."""
+        special = set(self.tokenizer.all_special_ids)
+        vocab_size = len(self.tokenizer)
+        texts = self.tokenizer.batch_decode([[i] for i in range(vocab_size)])
+        return tuple(i for i, text in enumerate(texts) if "\n" in text and i not in special)
+
     @property
     def pad_token_id(self) -> int:
         """The pad id (the tokenizer's pad token, else its eos)."""

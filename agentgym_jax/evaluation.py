@@ -46,10 +46,26 @@ def summarize(trajectories: Sequence[Any], k: int) -> dict[str, Any]:
             "env_errors": sum(t.end_reason == "env_error" for t in samples),
         }
 
+    summary_tasks = {str(task): any(t.success for t in samples) for task, samples in by_task.items()}
     subtasks: dict[str, list[int]] = collections.defaultdict(list)
     for task, samples in by_task.items():
         subtasks[samples[0].subtask].append(task)
-    return {"k": k, "overall": block(list(by_task)), "subtasks": {s: block(ids) for s, ids in sorted(subtasks.items())}}
+    return {"k": k, "overall": block(list(by_task)), "subtasks": {s: block(ids) for s, ids in sorted(subtasks.items())},
+            "passed_by_task": summary_tasks}
+
+
+def paired_outcomes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Per-task comparison of two evaluations on the same tasks: counts of tasks passed by both, by only one,
+    by neither, and the exact two-sided McNemar (sign test) p-value of the discordant pairs."""
+    first, second = before["passed_by_task"], after["passed_by_task"]
+    if set(first) != set(second):
+        raise ValueError("paired_outcomes needs two evaluations of the same tasks")
+    counts = collections.Counter((first[t], second[t]) for t in first)
+    gained, lost = counts[(False, True)], counts[(True, False)]
+    discordant = gained + lost
+    tail = sum(math.comb(discordant, i) for i in range(min(gained, lost) + 1)) / 2 ** discordant if discordant else 1.0
+    return {"tasks": len(first), "both": counts[(True, True)], "gained": gained, "lost": lost,
+            "neither": counts[(False, False)], "mcnemar_p": min(1.0, 2 * tail)}
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
@@ -63,4 +79,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
             f"| {name} | {block['tasks']} | {block[f'avg@{k}']:.3f} | {block[f'pass@{k}']:.3f} | "
             f"[{low:.3f}, {high:.3f}] | {block['mean_turns']:.2f} |"
         )
+    settings = summary.get("settings")
+    if settings:
+        lines += ["", "Settings: " + ", ".join(f"{key}={value!r}" for key, value in settings.items())]
     return "\n".join(lines) + "\n"

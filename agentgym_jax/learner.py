@@ -37,8 +37,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import advantages as adv_lib
-from agentgym_jax import losses, sharding
+from agentgym_jax import freezing, losses, sharding
 from agentgym_jax.batch import BatchError, TrajectoryBatch
+from agentgym_jax.buckets import bucket
 from agentgym_jax.critic import Critic, copy_tree
 from agentgym_jax.errors import CheckpointError, ConfigError
 from agentgym_jax.model import DecoderLM, abstract_model, to_dtype
@@ -106,6 +107,7 @@ class LearnerConfig:
     # numerics and memory
     compute_dtype: str | None = None  # None: the model's; 'bfloat16' with float32 params = mixed precision
     remat: bool | None = None  # None: the model's setting
+    trainable_layers: int = 0  # train only the top N decoder layers (+ final norm and head); 0 = all layers
     donate: bool = True  # update parameter and optimizer buffers in place
 
     @property
@@ -190,6 +192,10 @@ class LearnerConfig:
             raise ConfigError(f"value_clip must be >= 0 or None, got {self.value_clip}")
         if self.compute_dtype is not None:
             to_dtype(self.compute_dtype)
+        _at_least("trainable_layers", self.trainable_layers, 0)
+        if self.trainable_layers and self.uses_critic:
+            raise ConfigError("trainable_layers applies to the policy only; with advantage_estimator='gae' the critic "
+                              "would train all layers. Set trainable_layers=0 or use a critic-free estimator")
 
 
 def _choice(field: str, value: str, valid: tuple[str, ...]) -> None:
@@ -261,15 +267,61 @@ def unembedding(model: DecoderLM) -> Array:
     return model.lm_head.kernel[...].astype(dtype)
 
 
+AGENT_POSITION_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def agent_positions(loss_mask: np.ndarray) -> np.ndarray:
+    """``[B, K]`` int32 indices of each row's loss-mask tokens, padded with -1; K is a bucket of the largest count.
+
+    The learner reads log-probs only there, so the output head (a large share of a small model's compute) runs
+    on K positions per row instead of T.
+    """
+    on = np.asarray(loss_mask) > 0
+    width = bucket(max(1, int(on.sum(axis=1).max(initial=0))), AGENT_POSITION_BUCKETS)
+    positions = np.full((on.shape[0], width), -1, np.int32)
+    for row, indices in enumerate(on):
+        found = np.flatnonzero(indices)
+        positions[row, : len(found)] = found
+    return positions
+
+
+def selected_logprobs(hidden: Array, tokens: Array, head: Array, positions: Array, temperature: float,
+                      chunk_size: int | None = None) -> tuple[Array, Array]:
+    """``(logp, entropy)`` [B, T] at ``positions`` [B, K] (-1 = none) from hidden states [B, T, D]; 0 elsewhere."""
+    valid = positions > 0
+    index = jnp.maximum(positions, 1)
+    before = jnp.take_along_axis(hidden, (index - 1)[..., None], axis=1)  # the state that predicts each token
+    targets = jnp.take_along_axis(tokens, index, axis=1)
+    if temperature != 1.0:
+        before = (before.astype(jnp.float32) / temperature).astype(before.dtype)
+    if chunk_size is not None and positions.shape[1] > chunk_size:
+        width = -(-positions.shape[1] // chunk_size) * chunk_size
+        pad = width - positions.shape[1]
+        logp, entropy = losses.chunked_logprobs_and_entropy(
+            jnp.pad(before, ((0, 0), (0, pad), (0, 0))), head, jnp.pad(targets, ((0, 0), (0, pad))), chunk_size)
+        logp, entropy = logp[:, : positions.shape[1]], entropy[:, : positions.shape[1]]
+    else:
+        logits = jnp.einsum("bkd,dv->bkv", before, head, preferred_element_type=jnp.float32)
+        logp, entropy = losses.logprobs_from_logits(logits, targets), losses.entropy_from_logits(logits)
+    logp, entropy = jnp.where(valid, logp, 0.0), jnp.where(valid, entropy, 0.0)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    scatter = lambda values: jnp.zeros(tokens.shape, jnp.float32).at[rows, index].add(values)
+    return scatter(logp), scatter(entropy)
+
+
 def token_logprobs(
-    model: DecoderLM, tokens: Array, temperature: float = 1.0, chunk_size: int | None = None
+    model: DecoderLM, tokens: Array, temperature: float = 1.0, chunk_size: int | None = None,
+    positions: Array | None = None,
 ) -> tuple[Array, Array]:
     """``(logp, entropy)`` [B, T] float32 of each token of ``tokens`` [B, T] (0 at position 0).
 
-    With ``chunk_size`` the ``[B, T, V]`` logits are never materialized at once (see
+    With ``positions`` ([B, K] from :func:`agent_positions`) only those tokens are scored (0 elsewhere). With
+    ``chunk_size`` the ``[B, T, V]`` logits are never materialized at once (see
     :func:`losses.chunked_logprobs_and_entropy`); ``T`` is padded internally to a multiple of it.
     """
     hidden, _ = model.forward(tokens)
+    if positions is not None:
+        return selected_logprobs(hidden, tokens, unembedding(model), positions, temperature, chunk_size)
     if chunk_size is None:
         return token_logprobs_from_logits(model.logits(hidden), tokens, temperature)
     if temperature != 1.0:
@@ -325,6 +377,8 @@ def policy_loss_terms(
     aux["sum/dual_clip_frac"] = token_sum(terms.dual_clipped)
     aux["sum/approx_kl"] = token_sum(losses.kl_k3(logp, micro["old_logp"]))
     aux["sum/ratio"] = token_sum(terms.ratio)
+    aux["sum/abs_logp_gap"] = token_sum(jnp.abs(logp - micro["old_logp"]))
+    aux["max/ratio"] = jnp.max(jnp.where(on, terms.ratio, 0.0))
     aux["sum/entropy"] = token_sum(entropy)
     if "ref_logp" in micro:
         aux["sum/ref_kl"] = token_sum(losses.kl_k3(logp, micro["ref_logp"]))
@@ -337,7 +391,8 @@ def policy_loss(
 ) -> tuple[Array, dict[str, Array]]:
     """The train step's policy loss of one micro-batch (``micro['tokens']`` plus the fields of
     :func:`policy_loss_terms`)."""
-    logp, entropy = token_logprobs(model, micro["tokens"], config.temperature, config.logprob_chunk_size)
+    logp, entropy = token_logprobs(model, micro["tokens"], config.temperature, config.logprob_chunk_size,
+                                   micro.get("positions"))
     return policy_loss_terms(logp, entropy, micro, denominator, config)
 
 
@@ -386,7 +441,7 @@ def _accumulated_grads(
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     summed, aux = jax.lax.scan(body, zeros, stack)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), summed, params)
-    return grads, jax.tree.map(lambda x: jnp.sum(x, axis=0), aux)
+    return grads, {k: jnp.max(v, axis=0) if k.startswith("max/") else jnp.sum(v, axis=0) for k, v in aux.items()}
 
 
 def _keep_if(ok: Array, new: Any, old: Any) -> Any:
@@ -398,7 +453,7 @@ def _keep_if(ok: Array, new: Any, old: Any) -> Any:
 # --------------------------------------------------------------------------------------------------------------
 
 
-POLICY_FIELDS = ("tokens", "loss_mask", "old_logp", "advantages")
+POLICY_FIELDS = ("tokens", "positions", "loss_mask", "old_logp", "advantages")
 CRITIC_FIELDS = ("tokens", "loss_mask", "old_values", "returns")
 
 
@@ -417,13 +472,17 @@ class Learner:
         non_params = [k for k, v in nnx.to_flat_state(self._policy) if not isinstance(v, nnx.Param)]
         if non_params:
             raise ConfigError(f"the policy holds non-parameter state {non_params[:3]}; the learner trains Params only")
+        frozen = freezing.frozen_layer_count(model.config.num_hidden_layers, config.trainable_layers)
         train_model_config = dataclasses.replace(
             model.config,
             dtype=config.compute_dtype or model.config.dtype,
             remat=model.config.remat if config.remat is None else config.remat,
+            frozen_layers=frozen,
         )
         self._train_graphdef = nnx.split(abstract_model(train_model_config))[0]
         self._optimizer, self._schedule = make_optimizer(config, config.learning_rate, config.warmup_steps)
+        if frozen:
+            self._optimizer = freezing.freeze_layers(self._optimizer, frozen)
         with sharding.use_mesh(mesh):
             self._opt_state = self._commit(jax.jit(self._optimizer.init)(self._policy))
         self._reference = copy_tree(self._policy) if config.use_reference else None
@@ -487,10 +546,12 @@ class Learner:
         uses_critic, use_reference = config.uses_critic, config.use_reference
         recompute = config.old_logp_source == "recompute"
 
-        def _learner_experience(policy: Any, reference: Any, critic: Any, tokens: Array) -> dict[str, Array]:
+        def _learner_experience(policy: Any, reference: Any, critic: Any, tokens: Array, positions: Array
+                                ) -> dict[str, Array]:
             out = {}
             logprobs = functools.partial(
-                token_logprobs, tokens=tokens, temperature=config.temperature, chunk_size=config.logprob_chunk_size
+                token_logprobs, tokens=tokens, temperature=config.temperature, chunk_size=config.logprob_chunk_size,
+                positions=positions,
             )
             if recompute:
                 out["old_logp"] = logprobs(nnx.merge(train_graphdef, policy))[0]
@@ -622,10 +683,13 @@ class Learner:
         mask = self._check(batch)
         _, micro = self._sizes(batch)
         tokens = batch.tokens
+        positions = agent_positions(mask)
         parts: dict[str, list[np.ndarray]] = {}
         with sharding.use_mesh(self.mesh):
             for start in range(0, batch.num_rows, micro):
-                out = self._experience(self._policy, self._reference, self._critic, self._put(tokens[start:start + micro], False))
+                rows = slice(start, start + micro)
+                out = self._experience(self._policy, self._reference, self._critic, self._put(tokens[rows], False),
+                                       self._put(positions[rows], False))
                 for key, value in jax.device_get(out).items():
                     parts.setdefault(key, []).append(np.asarray(value))
         experience = {k: np.concatenate(v) for k, v in parts.items()}
@@ -640,7 +704,7 @@ class Learner:
             fields["values"] = np.where(on, experience["values"], 0.0).astype(np.float32)
         with sharding.use_mesh(self.mesh):
             advantages, returns = jax.device_get(self._advantages(**fields))
-        prepared = dict(tokens=tokens, loss_mask=mask, old_logp=old_logp, advantages=np.asarray(advantages),
+        prepared = dict(tokens=tokens, positions=positions, loss_mask=mask, old_logp=old_logp, advantages=np.asarray(advantages),
                         returns=np.asarray(returns), scores=batch.scores, valid=batch.valid)
         if "ref_logp" in fields:
             prepared["ref_logp"] = fields["ref_logp"]
@@ -706,6 +770,8 @@ class Learner:
         for key in used[0]:
             if key.startswith("sum/") and key != "sum/tokens":
                 metrics[key[4:]] = sum(float(m[key]) for m in used) / max(tokens, 1.0)
+            elif key.startswith("max/"):
+                metrics[f"{key[4:]}_max"] = max(float(m[key]) for m in used)
         for key in ("policy_loss", "kl_loss", "entropy_loss", "total_loss", "value_loss", "grad_norm",
                     "critic_grad_norm"):
             if key in used[0]:
@@ -713,6 +779,13 @@ class Learner:
         if "value_error" in metrics:
             metrics["value_rmse"] = math.sqrt(metrics.pop("value_error"))
         metrics["grad_norm_max"] = float(max(float(m["grad_norm"]) for m in used))
+        # The first minibatch is scored at the parameters that sampled the batch: its ratio is ~1 and its
+        # log-prob gap ~0 unless the sampler and the learner disagree (precision, template, masking bugs).
+        first = step_metrics[0]
+        first_tokens = max(float(first["sum/tokens"]), 1.0)
+        metrics["first_minibatch/ratio"] = float(first["sum/ratio"]) / first_tokens
+        metrics["first_minibatch/abs_logp_gap"] = float(first["sum/abs_logp_gap"]) / first_tokens
+        metrics["first_minibatch/ratio_max"] = float(first["max/ratio"])
         metrics["lr"] = float(step_metrics[-1]["lr"])
         if "critic_lr" in step_metrics[-1]:
             metrics["critic_lr"] = float(step_metrics[-1]["critic_lr"])
@@ -724,6 +797,7 @@ class Learner:
         on = mask > 0
         for label in ("advantages", "returns"):
             values = prepared[label][on]
+            metrics[f"{label}/abs_mean"] = float(np.abs(values).mean())
             metrics.update({f"{label}/mean": float(values.mean()), f"{label}/std": float(values.std()),
                             f"{label}/max": float(values.max()), f"{label}/min": float(values.min())})
         real = prepared["valid"] > 0

@@ -1,4 +1,4 @@
-"""Run observability: every metric to JSONL and TensorBoard, sample trajectories as JSONL, a final PNG plot."""
+"""Run observability: every metric to JSONL and TensorBoard, sample trajectories as JSONL (plots: ``plots.py``)."""
 
 from __future__ import annotations
 
@@ -55,30 +55,8 @@ def read_metrics(directory: str | Path) -> list[dict[str, Any]]:
     return [rows[s] for s in sorted(rows)]
 
 
-def plot_run(directory: str | Path, keys: Iterable[str] = ("rollout/score", "rollout/success", "rollout/turns")) -> Path:
-    """Plots the given metrics over steps into ``directory/training.png``."""
-    import matplotlib
+def plot_run(directory: str | Path) -> Path:
+    """Draws the run's learning curves into ``directory/training.png`` (see :mod:`agentgym_jax.plots`)."""
+    from agentgym_jax.plots import plot_run as plot_learning_curves  # lazy: plots reads metrics via this module
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(directory)
-    keys = list(keys)
-    figure, axes = plt.subplots(len(keys), 1, figsize=(7, 2.4 * len(keys)), sharex=True)
-    for axis, key in zip(axes if len(keys) > 1 else [axes], keys):
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        if points:
-            axis.plot(*zip(*points), marker="o", markersize=3)
-        evals = [(r["step"], r[f"eval/{key.split('/')[-1]}"]) for r in rows if f"eval/{key.split('/')[-1]}" in r]
-        if evals:
-            axis.plot(*zip(*evals), marker="s", linestyle="--", label="eval (test split)")
-            axis.legend(loc="best", fontsize=8)
-        axis.set_ylabel(key.split("/")[-1])
-        axis.grid(alpha=0.3)
-    (axes[-1] if len(keys) > 1 else axes).set_xlabel("training step")
-    figure.suptitle("agentgym-jax training run")
-    figure.tight_layout()
-    out = Path(directory) / "training.png"
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return plot_learning_curves(directory)

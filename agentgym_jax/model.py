@@ -66,6 +66,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype
     remat: bool = False  # rematerialize each decoder layer in the backward pass
+    frozen_layers: int = 0  # the first N decoder layers pass no gradient back (training only the layers above)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
@@ -414,6 +415,8 @@ class DecoderLM(nnx.Module):
                 x, layer_cache = nnx.remat(lambda m, *a: m(*a))(layer, x, positions, inv_freq, layer_cache, lengths)
             else:
                 x, layer_cache = layer(x, positions, inv_freq, layer_cache, lengths)
+            if i + 1 == self.config.frozen_layers:  # no backward pass below this point
+                x = jax.lax.stop_gradient(x)
             if layer_cache is not None:
                 new_keys.append(layer_cache[0])
                 new_values.append(layer_cache[1])

@@ -36,6 +36,9 @@ class RolloutConfig:
     top_k: int = 0
     system_prompt: str | None = None  # None: the chat template's default
     canned_reply: str = ""  # the original answers the instruction with a canned assistant turn; "" = none
+    # Text that opens every agent turn (e.g. "Action:\n"): template glue the model continues from, never trained
+    # on (loss mask 0), part of the action the environment sees and of the recorded conversation.
+    response_prefix: str = ""
     compact_below: float = 0.5  # drop finished rows from the sampler batch when active/batch falls below this
 
     def validate(self) -> None:
@@ -63,6 +66,8 @@ class Trajectory:
     end_reason: str = ""
     error: str | None = None
     episode_id: int = -1
+    judged_actions: int = 0  # turns whose info said whether the environment understood the action
+    valid_actions: int = 0  # of those, turns whose action the environment understood
 
     def append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
         self.tokens.extend(int(i) for i in ids)
@@ -72,6 +77,13 @@ class Trajectory:
     @property
     def num_agent_tokens(self) -> int:
         return int(sum(self.loss_mask))
+
+    def record_action_validity(self, info: dict[str, Any] | None) -> None:
+        """Counts ``info["action_valid"]`` when the environment reports it (None: it did not judge)."""
+        valid = (info or {}).get("action_valid")
+        if valid is not None:
+            self.judged_actions += 1
+            self.valid_actions += int(bool(valid))
 
 
 @dataclasses.dataclass
@@ -117,6 +129,7 @@ def run_rollout(
     starts = pool.reset([t.task_id for t in tasks])
     stats.env_s += time.perf_counter() - t0
     instruction = pool.instruction
+    prefix_ids = [int(i) for i in chat.encode_in_turn(config.response_prefix)] if config.response_prefix else []
     pending: dict[int, list[int]] = {}  # trajectory index -> ids to append before its next turn
     for index, (trajectory, start) in enumerate(zip(trajectories, starts)):
         trajectory.episode_id = start.episode_id
@@ -130,9 +143,9 @@ def run_rollout(
         else:
             messages += [{"role": "user", "content": f"{instruction}\n\n{start.observation}"}]
         trajectory.messages = messages
-        pending[index] = [int(i) for i in chat.render(messages, add_generation_prompt=True).ids]
+        pending[index] = [int(i) for i in chat.render(messages, add_generation_prompt=True).ids] + prefix_ids
 
-    state = sampler.new_state(len(trajectories))
+    state, cached = _prefill_shared_prompts(sampler, pending, len(trajectories))
     row_of = {index: index for index in range(len(trajectories))}  # trajectory -> sampler row
     budget = config.max_trajectory_tokens
     for round_index in range(horizon):
@@ -150,7 +163,7 @@ def run_rollout(
         params: list[SamplingParams] = [SamplingParams(config.temperature, config.top_p, config.top_k, 1)] * state.batch_size
         for i in active:
             room = budget - len(trajectories[i].tokens) - len(pending[i])
-            rows[row_of[i]] = pending[i]
+            rows[row_of[i]] = pending[i][cached.pop(i, 0):]  # a shared prompt's prefix is in the cache already
             params[row_of[i]] = SamplingParams(config.temperature, config.top_p, config.top_k,
                                                min(config.max_turn_tokens, room))
         t_sample = time.perf_counter()
@@ -169,7 +182,7 @@ def run_rollout(
             if reason == StopReason.CACHE_FULL and not sampled:
                 trajectory.end_reason = END_BUDGET
                 continue
-            text = chat.decode_assistant(sampled)
+            text = config.response_prefix + chat.decode_assistant(sampled)
             trajectory.messages.append({"role": "assistant", "content": text})
             actions[trajectory.episode_id] = text
         t_env = time.perf_counter()
@@ -185,6 +198,7 @@ def run_rollout(
                 trajectory.score, trajectory.success = 0.0, False
                 continue
             trajectory.score, trajectory.success = float(outcome.reward), _success(outcome)
+            trajectory.record_action_validity(outcome.info)
             if outcome.done:
                 trajectory.end_reason = END_DONE
             elif round_index + 1 == horizon:
@@ -196,7 +210,7 @@ def run_rollout(
                 observation = {"role": "user", "content": outcome.observation}
                 turn = chat.render_turn(history, observation, add_generation_prompt=True)
                 trajectory.messages.append(observation)
-                pending[i] = [int(t) for t in closing.ids[len(sampled):]] + [int(t) for t in turn.ids]
+                pending[i] = [int(t) for t in closing.ids[len(sampled):]] + [int(t) for t in turn.ids] + prefix_ids
         if progress is not None:
             finished = sum(1 for t in trajectories if t.end_reason)
             progress(round_index + 1, len(trajectories) - finished, finished)
@@ -206,6 +220,23 @@ def run_rollout(
     pool.close_episodes([t.episode_id for t in trajectories if t.episode_id >= 0])
     stats.host_s = time.perf_counter() - t0 - stats.sampling_s - stats.env_s
     return trajectories, stats
+
+
+def _prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], episodes: int) -> tuple[Any, dict[int, int]]:
+    """Writes each distinct opening prompt into the cache once and forks it to every episode that starts with it
+    (the samples of one task share their prompt), so a group's prompt is prefilled once instead of per sample.
+
+    Returns the sampler state and, per episode, how many of its pending ids are already in its cache row (all but
+    the last: the first ``generate`` call needs a new token to read logits from).
+    """
+    distinct: dict[tuple[int, ...], int] = {}
+    source = {i: distinct.setdefault(tuple(ids), len(distinct)) for i, ids in pending.items()}
+    if len(distinct) == len(pending) or not pending:
+        return sampler.new_state(episodes), {}
+    state = sampler.new_state(len(distinct))
+    state = sampler.prefill(state, [list(ids[:-1]) for ids in distinct])
+    state = sampler.select_rows(state, [source.get(i, 0) for i in range(episodes)])
+    return state, {i: len(ids) - 1 for i, ids in pending.items()}
 
 
 def pack_trajectories(

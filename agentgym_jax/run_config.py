@@ -29,10 +29,12 @@ def base_config() -> ml_collections.ConfigDict:
         name="babyai", kwargs=ml_collections.ConfigDict(), num_workers=2, step_timeout_s=120.0,
         train_subtasks=(), test_subtasks=(), import_modules=(),
     )
-    c.data = dict(tasks_per_step=16, samples_per_task=8, validation_tasks=32, test_tasks=0, train_task_limit=0)
+    c.data = dict(tasks_per_step=16, samples_per_task=8, validation_tasks=32, test_tasks=0, train_task_limit=0,
+                  dynamic_sampling=False, dynamic_max_rounds=3, dynamic_oversample=1.5)
     c.rollout = dict(
         max_turn_tokens=512, max_trajectory_tokens=4096, temperature=1.0, top_p=1.0, top_k=0,
         system_prompt="", canned_reply="OK. I'll follow your instructions and try my best to solve the task.",
+        response_prefix="", stop_at_newline=False,
     )
     c.horizon = dict(type="fixed", turns=20, rounds=(6, 13, 20), steps_per_stage=100, stage_starts=(), start=1, end=1,
                      increment=1)
@@ -43,7 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
         learning_rate=1e-6, warmup_steps=0, lr_schedule="constant", weight_decay=0.01, b1=0.9, b2=0.999,
         grad_clip_norm=1.0, ppo_epochs=1, minibatch_size=64, microbatch_size=8,
         value_clip=0.5, critic_learning_rate=1e-5, critic_warmup_steps=0, logprob_chunk_size=0, temperature=1.0,
-        old_logp_source="sampler", use_reference=True,
+        old_logp_source="sampler", use_reference=True, trainable_layers=0,
     )
     c.train = dict(
         steps=150, seed=0, workdir="runs/default", eval_every=25, checkpoint_every=25, keep_checkpoints=3,
@@ -118,6 +120,12 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
         _require(data.samples_per_task >= 2, "data.samples_per_task",
                  f"{estimator} compares samples within a group, so it needs >= 2 samples per task "
                  f"(got {data.samples_per_task}); raise it or use advantage_estimator='reinforce_pp' or 'gae'")
+    _require(data.dynamic_max_rounds >= 1, "data.dynamic_max_rounds", f"must be >= 1, got {data.dynamic_max_rounds}")
+    _require(data.dynamic_oversample >= 1, "data.dynamic_oversample",
+             f"must be >= 1 (tasks drawn per missing group), got {data.dynamic_oversample}")
+    if data.dynamic_sampling:
+        _require(data.samples_per_task >= 2, "data.dynamic_sampling",
+                 "keeps groups whose samples scored differently, so it needs data.samples_per_task >= 2")
     for key in ("validation_tasks", "test_tasks", "train_task_limit"):
         _require(data[key] >= 0, f"data.{key}", f"must be >= 0, got {data[key]}")
     rollout = config.rollout
@@ -158,4 +166,20 @@ def accelerator_config(env_name: str, variant: str) -> ml_collections.ConfigDict
     c.model.remat = True
     c.algo.logprob_chunk_size = 1024
     c.train.workdir = f"runs/{env_name}_grpo_{variant}"
+    return c
+
+
+# Estimated (not measured: no accelerator was available when this was written) seconds per GRPO step of the
+# `:gpu` recipes on one H100/H200-class GPU with Qwen2.5-1.5B-Instruct; sampling dominates (one decode step of
+# 128 rows ~15-25 ms in bf16 over the turn budget), the update ~20-40 s. Scale roughly with the model size.
+GPU_STEP_SECONDS_ESTIMATE = {"babyai": 150, "textcraft": 300, "sciworld": 200}
+
+
+def single_accelerator(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Turns an 8-accelerator recipe into its one-accelerator form (the ``:gpu`` variants): the same episodes,
+    horizons and optimizer settings on one chip (a 0.5B-3B model fits one 80-141 GB GPU with fp32 master weights,
+    AdamW states and the reference copy), bf16 compute, per-layer remat, chunked log-probs, eight env workers."""
+    c.mesh.shape = (1, 1, 1)
+    c.env.num_workers = 8
+    c.train.workdir = c.train.workdir.rsplit("_", 1)[0] + "_gpu"
     return c

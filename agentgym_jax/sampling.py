@@ -204,6 +204,14 @@ def _generate_program(
 PROGRAM_NAME = "_generate_program"
 
 
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengths: jax.Array, *, graphdef: Any):
+    """Writes each row's new tokens into its cache without sampling (rows with length 0 are untouched)."""
+    model = nnx.merge(graphdef, state)
+    _, cache = model.forward(new_tokens, cache=cache)
+    return dataclasses.replace(cache, lengths=cache.lengths + new_lengths)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
     """Static settings of a sampler: cache size and dtype, stop rules, shape buckets."""
@@ -339,8 +347,35 @@ class Sampler:
         )
         return SamplerState(cache=cache, lengths=np.asarray(cache_lengths, np.int64)), result
 
+    def prefill(self, state: SamplerState, new_tokens: Sequence[Sequence[int] | None]) -> SamplerState:
+        """Appends ``new_tokens[b]`` to row b's cache without sampling (e.g. a prompt shared by several episodes,
+        forked afterwards with :meth:`select_rows`). Rows given no tokens are untouched."""
+        if state.cache is None:
+            raise ConfigError("this SamplerState was consumed by an earlier call; pass the state that call returned")
+        batch = state.batch_size
+        if len(new_tokens) > batch:
+            raise ConfigError(f"{len(new_tokens)} rows given, but the sampler state holds {batch}")
+        rows = [list(t or ()) for t in new_tokens] + [[]] * (batch - len(new_tokens))
+        lengths = np.array([len(t) for t in rows], np.int64)
+        if np.any(state.lengths + lengths > self.config.cache_length):
+            raise ConfigError(f"prefill of {int(lengths.max())} tokens does not fit the sampler cache of "
+                              f"{self.config.cache_length} slots; raise the cache length or shorten the prompt")
+        width = bucket(max(1, int(lengths.max(initial=0))), self.config.token_buckets)
+        token_array = np.zeros((batch, width), np.int32)
+        for b, ids in enumerate(rows):
+            token_array[b, : lengths[b]] = ids
+        with sharding.use_mesh(self.mesh):
+            tokens, counts = jnp.asarray(token_array), jnp.asarray(lengths.astype(np.int32))
+            if self.mesh is not None:
+                tokens = jax.device_put(tokens, sharding.named_sharding(self.mesh, "tokens"))
+                counts = jax.device_put(counts, sharding.named_sharding(self.mesh, "rows"))
+            cache = _prefill_program(self.state, state.cache, tokens, counts, graphdef=self.graphdef)
+        state.cache = None  # donated
+        return SamplerState(cache=cache, lengths=state.lengths + lengths)
+
     def select_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
-        """Keeps only ``rows`` (e.g. drops finished episodes), compacting into a smaller batch bucket."""
+        """Keeps only ``rows`` (e.g. drops finished episodes), compacting into a smaller batch bucket; a row
+        listed twice is copied (forking a shared prompt into several episodes)."""
         padded = self.batch_bucket(len(rows))
         index = np.zeros((padded,), np.int32)
         index[: len(rows)] = rows

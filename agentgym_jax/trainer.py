@@ -24,10 +24,13 @@ from agentgym_jax.batch import TrajectoryBatch
 from agentgym_jax.buckets import bucket
 from agentgym_jax.chat import ChatTokenizer
 from agentgym_jax.checkpoint import RunCheckpointer
+from agentgym_jax.diagnostics import SignalMonitor, learner_diagnostics, rollout_diagnostics
+from agentgym_jax.dynamic_sampling import collect_groups_with_signal
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.learner import Learner
 from agentgym_jax.metrics_log import MetricLogger, plot_run
-from agentgym_jax.rollout import END_REASONS, RolloutConfig, Trajectory, pack_trajectories, run_rollout
+from agentgym_jax.rollout import (END_REASONS, RolloutConfig, RolloutStats, Trajectory, pack_trajectories,
+                                  run_rollout)
 from agentgym_jax.run_config import learner_config_from, resolve_model_path, validate_run_config
 from agentgym_jax.sampling import Sampler, SamplerConfig
 
@@ -57,8 +60,11 @@ class Trainer:
         )
         self.learner = Learner(model, learner_config_from(config), mesh=self.mesh)
         cache_length = bucket(config.rollout.max_trajectory_tokens, LENGTH_BUCKETS)
+        stop_ids = tuple(self.chat.stop_token_ids)
+        if config.rollout.stop_at_newline:  # a turn ends at its first line break (e.g. after the action line)
+            stop_ids += self.chat.newline_token_ids()
         self.sampler = Sampler(
-            model, SamplerConfig(cache_length=cache_length, stop_token_ids=tuple(self.chat.stop_token_ids),
+            model, SamplerConfig(cache_length=cache_length, stop_token_ids=stop_ids,
                                  cache_dtype=config.model.dtype,
                                  window_buckets=tuple(b for b in LENGTH_BUCKETS if b < cache_length),
                                  token_buckets=(16, 32, 64, 128) + tuple(b for b in LENGTH_BUCKETS if b > 128)),
@@ -71,7 +77,9 @@ class Trainer:
             max_trajectory_tokens=config.rollout.max_trajectory_tokens,
             temperature=config.rollout.temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
             system_prompt=config.rollout.system_prompt or None, canned_reply=config.rollout.canned_reply,
+            response_prefix=config.rollout.response_prefix,
         )
+        self.signal_monitor = SignalMonitor()
         from environments.workers import EnvPool
 
         self.pool = EnvPool(
@@ -116,6 +124,12 @@ class Trainer:
             picked.append(self.train_tasks[order[position]])
         return picked
 
+    def extra_tasks(self, step: int, round_index: int, count: int) -> list[Any]:
+        """``count`` further training tasks for dynamic sampling's ``round_index`` (a function of seed, step, round)."""
+        n = len(self.train_tasks)
+        generator = np.random.default_rng([self.config.train.seed, step, round_index, 1])
+        return [self.train_tasks[i] for i in generator.choice(n, size=count, replace=count > n)]
+
     def _step_keys(self, step: int) -> tuple[jax.Array, jax.Array]:
         key = jax.random.fold_in(jax.random.PRNGKey(self.config.train.seed), step)
         rollout_key, update_key = jax.random.split(key)
@@ -143,21 +157,51 @@ class Trainer:
             bar.close()
 
     def train_step(self, step: int) -> dict[str, float]:
-        """Rollout on this step's tasks, then one learner update over the batch."""
+        """Rollout on this step's tasks (with dynamic sampling: until enough groups carry signal), then one
+        learner update over the batch."""
+        data = self.config.data
         horizon = schedule.horizon_at(self.config.horizon, step)
         rollout_key, update_key = self._step_keys(step)
         t0 = time.perf_counter()
-        trajectories, stats = self.rollout(self.tasks_for_step(step), self.config.data.samples_per_task, horizon,
-                                           rollout_key, desc=f"step {step} rollout")
+        stats = RolloutStats()
+
+        def play(tasks: Sequence[Any], round_index: int) -> list[Trajectory]:
+            key = rollout_key if round_index == 0 else jax.random.fold_in(rollout_key, round_index)
+            desc = f"step {step} rollout" + (f" (round {round_index + 1})" if round_index else "")
+            played, round_stats = self.rollout(tasks, data.samples_per_task, horizon, key, desc=desc)
+            for field in dataclasses.fields(RolloutStats):
+                setattr(stats, field.name, getattr(stats, field.name) + getattr(round_stats, field.name))
+            return played
+
+        metrics: dict[str, float] = {}
+        if data.dynamic_sampling:
+            collected = collect_groups_with_signal(
+                play, self.tasks_for_step(step), lambda r, n: self.extra_tasks(step, r, n), data.tasks_per_step,
+                data.dynamic_max_rounds, data.dynamic_oversample,
+            )
+            trajectories, train_on = collected.played, collected.kept
+            metrics.update({"dynamic/rounds": collected.rounds, "dynamic/groups_played": collected.groups_played,
+                            "dynamic/groups_kept": collected.groups_kept})
+        else:
+            trajectories = train_on = play(self.tasks_for_step(step), 0)
         t_rollout = time.perf_counter()
-        arrays = pack_trajectories(
-            trajectories, LENGTH_BUCKETS, batch_multiple=self._batch_multiple(), pad_id=self.chat.pad_token_id
-        )
-        update_metrics = self.learner.update(TrajectoryBatch(**arrays), update_key)
-        self.sampler.update_params(self.learner.policy_state)
+        update_metrics: dict[str, float] = {}
+        if train_on:
+            arrays = pack_trajectories(
+                train_on, LENGTH_BUCKETS, batch_multiple=self._batch_multiple(), pad_id=self.chat.pad_token_id
+            )
+            update_metrics = self.learner.update(TrajectoryBatch(**arrays), update_key)
+            self.sampler.update_params(self.learner.policy_state)
+            metrics["rollout/batch_tokens"] = int(arrays["tokens"].shape[0] * arrays["tokens"].shape[1])
+        else:  # dynamic sampling found no group with signal: an update would only move the KL/entropy terms
+            logging.warning("step %d: no group with reward variance after %d rounds; update skipped", step,
+                            metrics["dynamic/rounds"])
+            metrics["train/skipped_no_signal"] = 1.0
         t_train = time.perf_counter()
-        metrics = {f"train/{k}": v for k, v in update_metrics.items()}
+        metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
         metrics.update(self._rollout_metrics(trajectories, prefix="rollout"))
+        metrics.update(rollout_diagnostics(trajectories))
+        metrics.update(learner_diagnostics(update_metrics))
         generated = max(stats.generated_tokens, 1)
         metrics.update({
             "horizon": horizon,
@@ -167,7 +211,6 @@ class Trainer:
             "rollout/generated_tokens": stats.generated_tokens,
             "rollout/generated_tokens_per_s": generated / max(stats.sampling_s, 1e-9),
             "rollout/env_steps_per_s": stats.env_steps / max(stats.env_s, 1e-9),
-            "rollout/batch_tokens": int(arrays["tokens"].shape[0] * arrays["tokens"].shape[1]),
             "sampler/compilations": self.sampler.compilations - self._compilations_before,
         })
         count = self.config.train.sample_log_count
@@ -211,7 +254,21 @@ class Trainer:
             key, sub = jax.random.split(key)
             batch, _ = self.rollout(tasks[start: start + chunk], k, horizon, sub, greedy=greedy, desc=desc)
             trajectories += batch
-        return evaluation.summarize(trajectories, k), trajectories
+        summary = evaluation.summarize(trajectories, k)
+        summary["settings"] = self.rollout_settings(greedy=greedy, horizon=horizon)
+        return summary, trajectories
+
+    def rollout_settings(self, greedy: bool, horizon: int) -> dict[str, Any]:
+        """What shapes an episode besides the policy: recorded with every evaluation so results stay comparable."""
+        rollout = self.config.rollout
+        return {
+            "env": self.config.env.name, "env_kwargs": dict(self.config.env.kwargs),
+            "response_prefix": rollout.response_prefix, "stop_at_newline": bool(rollout.stop_at_newline),
+            "greedy": bool(greedy), "temperature": 0.0 if greedy else float(rollout.temperature),
+            "top_p": float(rollout.top_p), "top_k": int(rollout.top_k), "horizon": int(horizon),
+            "max_turn_tokens": int(rollout.max_turn_tokens), "system_prompt": rollout.system_prompt,
+            "canned_reply": rollout.canned_reply,
+        }
 
     # -- the loop ----------------------------------------------------------------------------------------
 
@@ -252,11 +309,12 @@ class Trainer:
                 metrics.update({"eval/score": eval_score, "eval/success": summary["overall"]["success_rate"],
                                 "eval/turns": summary["overall"]["mean_turns"]})
             self.logger.write(self.step, metrics)
+            self.signal_monitor.observe(metrics)
             history.append(metrics)
             if train.checkpoint_every and (self.step % train.checkpoint_every == 0 or self.step == last):
                 self.save(eval_score)
             bar.update(1)
-            bar.set_postfix(score=f"{metrics['rollout/score']:.3f}", horizon=metrics["horizon"])
+            bar.set_postfix(_progress_fields(metrics))
         bar.close()
         self.checkpointer.wait()
         return history
@@ -275,10 +333,21 @@ class Trainer:
         self.pool.close()
 
 
+def _progress_fields(metrics: dict[str, float]) -> dict[str, str]:
+    """The progress bar's view of a step: success, reward, and whether RL had a signal."""
+    fields = {"success": f"{metrics['rollout/success']:.2f}", "score": f"{metrics['rollout/score']:.3f}"}
+    if "diag/valid_action_rate" in metrics:
+        fields["valid"] = f"{metrics['diag/valid_action_rate']:.2f}"
+    fields["signal"] = f"{metrics['diag/groups_with_signal']:.2f}"
+    fields["horizon"] = str(metrics["horizon"])
+    return fields
+
+
 def _readable(trajectory: Trajectory) -> dict[str, Any]:
     return {"task_id": trajectory.task_id, "subtask": trajectory.subtask, "score": trajectory.score,
             "success": trajectory.success, "turns": trajectory.turns, "end_reason": trajectory.end_reason,
-            "error": trajectory.error, "messages": trajectory.messages}
+            "error": trajectory.error, "valid_actions": trajectory.valid_actions,
+            "judged_actions": trajectory.judged_actions, "messages": trajectory.messages}
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | None = None,
@@ -307,6 +376,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | 
     finally:
         trainer.close()
     report["minutes"] = (time.perf_counter() - started) / 60
+    report.update(peak_rss_gb())
+    if "eval_before" in report and "eval_after" in report:
+        report["settings"] = report["eval_after"]["settings"]
+        report["paired"] = evaluation.paired_outcomes(report["eval_before"], report["eval_after"])
     for key, name in (("eval_before", "before"), ("eval_after", "after")):
         if key in report:
             overall = report[key]["overall"]
@@ -316,13 +389,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | 
     (Path(report["workdir"]) / "report.json").write_text(json.dumps(report, indent=2))
     if config.train.report_path:
         Path(config.train.report_path).parent.mkdir(parents=True, exist_ok=True)
-        keys = ("success_before", "success_after", "wilson_before", "wilson_after", "n_test_tasks", "minutes")
+        keys = ("success_before", "success_after", "wilson_before", "wilson_after", "n_test_tasks", "minutes",
+                "paired", "peak_rss_gb", "peak_rss_children_gb", "settings")
         summary = {k: report[k] for k in keys if k in report}
         summary.update({"env": config.env.name, "train_subtasks": list(config.env.train_subtasks),
                         "steps": int(config.train.steps), "algorithm": config.algo.advantage_estimator,
                         "eval_k": int(config.eval.k), "eval_greedy": bool(config.eval.greedy)})
         Path(config.train.report_path).write_text(json.dumps(summary, indent=2) + "\n")
     return report
+
+
+def peak_rss_gb() -> dict[str, float]:
+    """Peak resident memory of this process and of its finished-or-waited children (env workers), in GB."""
+    import resource
+
+    to_gb = 1024 / 1e9  # ru_maxrss is in KiB on Linux
+    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * to_gb,
+            "peak_rss_children_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * to_gb}
 
 
 def _write_eval(prefix: Path, summary: dict[str, Any], trajectories: Sequence[Trajectory]) -> None:

@@ -7,12 +7,17 @@
 minibatches, prompt 1024 + response 4096 tokens, 200 tokens per turn.
 ``scaling``: examples/train/ScalingInter-RL/babyai_train.sh: horizons [6, 13, 20] every 100 steps, n=4,
 32 tasks/step, 32-trajectory minibatches, 512 tokens per turn, response 8192, ppo_epochs 2 (honoured here).
+``gpu``: the ``fixed`` recipe on one accelerator (``run_config.single_accelerator``) for a 0.5B-3B Qwen2.5-class
+local checkpoint, e.g. ``--config.model.path=/models/Qwen2.5-1.5B-Instruct``; about 150 s per step on one
+H100/H200 with 1.5B parameters (an estimate, not a measurement; see ``run_config.GPU_STEP_SECONDS_ESTIMATE``).
 """
 
-from agentgym_jax.run_config import accelerator_config
+from agentgym_jax.run_config import accelerator_config, single_accelerator
 
 
 def get_config(variant: str = "fixed"):
+    if variant == "gpu":
+        return single_accelerator(get_config("fixed"))
     c = accelerator_config("babyai", variant)
     c.env.kwargs = dict(action_matching="exact")
     if variant == "fixed":
@@ -28,5 +33,5 @@ def get_config(variant: str = "fixed"):
         c.algo.minibatch_size, c.algo.ppo_epochs = 32, 2
         c.rollout.max_turn_tokens, c.rollout.max_trajectory_tokens = 512, 512 + 8192
     else:
-        raise ValueError(f"unknown variant {variant!r}; use 'fixed' or 'scaling'")
+        raise ValueError(f"unknown variant {variant!r}; use 'fixed', 'scaling' or 'gpu'")
     return c

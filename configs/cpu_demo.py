@@ -25,17 +25,19 @@ def get_config(variant: str = ""):
     del variant
     c = base_config()
     c.env.name = "babyai"
-    c.env.kwargs = dict(action_matching="closest", instruction_style="compact", num_test_seeds=3,
+    c.env.kwargs = dict(action_matching="closest", instruction_style="compact", num_test_seeds=10,
                         num_train_seeds=100)
     c.env.num_workers = 1
     c.env.train_subtasks = ("GoTo",)
     c.env.test_subtasks = ("GoTo",)
-    c.data.update(dict(tasks_per_step=2, samples_per_task=4, validation_tasks=0, test_tasks=24))
-    c.rollout.update(dict(max_turn_tokens=48, max_trajectory_tokens=640, temperature=1.0, canned_reply=""))
+    c.data.update(dict(tasks_per_step=4, samples_per_task=4, validation_tasks=0, test_tasks=80,
+                       dynamic_sampling=True, dynamic_max_rounds=2, dynamic_oversample=1.5))
+    c.rollout.update(dict(max_turn_tokens=16, max_trajectory_tokens=640, temperature=1.0, canned_reply="",
+                          response_prefix="Action:\n", stop_at_newline=True))
     c.horizon.type, c.horizon.turns = "fixed", 2
-    c.model.remat = True
-    c.algo.update(dict(learning_rate=1e-5, minibatch_size=8, microbatch_size=2, logprob_chunk_size=128))
-    c.train.update(dict(steps=6, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=3, eval_before=True,
+    c.algo.update(dict(learning_rate=3e-5, minibatch_size=16, microbatch_size=8, logprob_chunk_size=128,
+                       trainable_layers=8, kl_coef=0.0, use_reference=False))
+    c.train.update(dict(steps=30, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=10, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
-    c.eval.update(dict(k=1, greedy=True, batch_tasks=24))
+    c.eval.update(dict(k=1, greedy=True, batch_tasks=40))
     return c

@@ -21,6 +21,7 @@ def load(name, variant=None):
 @pytest.mark.parametrize("name,variant", [
     ("cpu_demo", None), ("babyai_grpo", "fixed"), ("babyai_grpo", "scaling"), ("textcraft_grpo", "fixed"),
     ("textcraft_grpo", "scaling"), ("sciworld_grpo", "fixed"), ("sciworld_grpo", "scaling"),
+    ("babyai_grpo", "gpu"), ("textcraft_grpo", "gpu"), ("sciworld_grpo", "gpu"),
 ])
 def test_config_validates(name, variant):
     validate_run_config(load(name, variant))
@@ -34,3 +35,12 @@ def test_config_validates(name, variant):
 def test_scaling_variants_follow_the_original_schedules(name, horizons):
     config = load(name, "scaling")
     assert {s: schedule.horizon_at(config.horizon, s) for s in horizons} == horizons
+
+
+@pytest.mark.parametrize("name", ["babyai_grpo", "textcraft_grpo", "sciworld_grpo"])
+def test_gpu_variants_keep_the_original_episodes_on_one_device(name):
+    fixed, gpu = load(name, "fixed"), load(name, "gpu")
+    assert tuple(gpu.mesh.shape) == (1, 1, 1) and gpu.model.dtype == "bfloat16" and gpu.model.remat
+    for section in ("data", "rollout", "horizon", "algo"):
+        assert gpu[section].to_dict() == fixed[section].to_dict(), section
+    assert gpu.train.workdir.endswith("_gpu")

@@ -391,3 +391,25 @@ def test_bf16_compute_keeps_fp32_master_params(model_dir):
     assert bf16.policy_model().config.dtype == "float32"  # export view keeps the model's own numerics
     assert bf16_metrics["entropy"] == pytest.approx(fp32_metrics["entropy"], rel=1e-2)
     assert bf16_metrics["grad_norm"] == pytest.approx(fp32_metrics["grad_norm"], rel=5e-2)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_logprobs_read_only_at_agent_positions_equal_the_full_computation(model_dir, chunk):
+    from agentgym_jax.learner import agent_positions
+
+    model = hf.load_model(model_dir)
+    batch = _batch(3)
+    positions = agent_positions(batch.loss_mask)
+    assert positions.shape == (B, 16) and (positions >= 0).sum() == int(batch.loss_mask.sum())
+    full_logp, full_entropy = token_logprobs(model, jnp.asarray(batch.tokens), 0.7, None)
+    logp, entropy = token_logprobs(model, jnp.asarray(batch.tokens), 0.7, chunk, jnp.asarray(positions[:, :12]
+                                                                                            if chunk else positions))
+    on = np.asarray(batch.loss_mask) > 0
+    if chunk:  # 12 columns do not cover every row's agent tokens: uncovered positions read 0
+        covered = np.zeros_like(on)
+        for row, cols in enumerate(positions[:, :12]):
+            covered[row, cols[cols >= 0]] = True
+        on = covered
+    np.testing.assert_allclose(np.asarray(logp)[on], np.asarray(full_logp)[on], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy)[on], np.asarray(full_entropy)[on], atol=1e-5)
+    assert not np.asarray(logp)[~on].any() and not np.asarray(entropy)[~on].any()

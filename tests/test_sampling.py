@@ -214,3 +214,20 @@ def test_eight_device_mesh_gives_the_same_tokens(pair):
     # The sampler reads the model's own parameter arrays: no copy.
     kernel = sharded_model.model.layers[0].mlp.up_proj.kernel[...]
     assert sampler.state["model"]["layers"][0]["mlp"]["up_proj"]["kernel"][...] is kernel
+
+
+def test_shared_prompt_prefilled_once_and_forked_samples_like_separate_prefills(pair):
+    _, ours, _ = pair
+    sampler = Sampler(ours, SamplerConfig(cache_length=128))
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[0]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    _, separate = sampler.generate(sampler.new_state(4), prompts, jax.random.PRNGKey(3), params)
+    shared = sampler.prefill(sampler.new_state(2), [PROMPTS[0][:-1], PROMPTS[2][:-1]])
+    assert shared.lengths[:2].tolist() == [len(PROMPTS[0]) - 1, len(PROMPTS[2]) - 1]
+    forked = sampler.select_rows(shared, [0, 0, 1, 0])
+    _, result = sampler.generate(forked, [p[-1:] for p in prompts], jax.random.PRNGKey(3), params)
+    assert result.tokens == separate.tokens
+    for a, b in zip(result.logprobs, separate.logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    with pytest.raises(ConfigError, match="does not fit the sampler cache"):
+        sampler.prefill(sampler.new_state(1), [list(range(3, 140))])

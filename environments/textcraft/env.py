@@ -22,6 +22,7 @@ from environments.textcraft.recipes import RecipeBook, display_name, item_id_of,
 
 MAX_DISTRACTORS = 10
 TEST_EVERY = 5
+UNKNOWN_COMMAND = "Could not execute"  # how a command the crafting world does not know is answered
 
 INSTRUCTION = """You are in a Minecraft crafting world. Each task gives you a list of crafting commands and a goal item; your job is to end up crafting the goal item.
 
@@ -132,7 +133,8 @@ class TextCraft(Environment):
         self._done = self._done or crafted_goal
         self._observation = observation
         reward = 1.0 if self._done else 0.0
-        return StepResult(observation, reward, self._done, {"action": action})
+        understood = action is not None and not observation.startswith(UNKNOWN_COMMAND)
+        return StepResult(observation, reward, self._done, {"action": action, "action_valid": understood})
 
     def execute(self, action: str) -> tuple[str, bool]:
         """Runs one sanitized command; returns the message and whether it crafted the goal."""
@@ -144,7 +146,7 @@ class TextCraft(Environment):
             return self._get(int(match.group(1)), match.group(2).strip()), False
         if match := _CRAFT.fullmatch(action):
             return self._craft(match.group(1).strip(), match.group(2))
-        return f"Could not execute {action}", False
+        return f"{UNKNOWN_COMMAND} {action}", False
 
     def _get(self, count: int, name: str) -> str:
         item = item_id_of(name)
