@@ -84,7 +84,9 @@ class LearnerConfig:
     entropy_coef: float = 0.001
     temperature: float = 1.0  # log-probs are of logits / temperature
     logprob_chunk_size: int | None = None  # None: full [B, T, V] logits; else positions per chunk
-    old_logp_source: str = "recompute"  # 'recompute': forward before the update; 'sampler': batch.old_logp
+    # 'recompute': forward before the update; 'sampler': batch.old_logp, which must then be at ``temperature``
+    # (the Trainer builds its Sampler with ``logprob_temperature`` = this temperature)
+    old_logp_source: str = "recompute"
     use_reference: bool = True  # keep a frozen copy of the initial policy for the KL term / metric
     # optimizer (policy)
     learning_rate: float = 1e-6
@@ -141,11 +143,6 @@ class LearnerConfig:
         _at_least("entropy_coef", self.entropy_coef, 0.0)
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
-        if self.old_logp_source == "sampler" and self.temperature != 1.0:
-            raise ConfigError(
-                f"old_logp_source='sampler' with temperature={self.temperature}: the Sampler's log-probs are at "
-                "temperature 1; use old_logp_source='recompute' or temperature=1.0"
-            )
         if self.kl_coef > 0 and not self.use_reference:
             raise ConfigError(f"kl_coef={self.kl_coef} needs the reference policy; set use_reference=True or kl_coef=0")
         if self.kl_in_reward and self.kl_coef > 0 and "kl_coef" not in estimator.options():

@@ -223,18 +223,28 @@ def run_rollout(
 
 
 def _prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], episodes: int) -> tuple[Any, dict[int, int]]:
-    """Writes each distinct opening prompt into the cache once and forks it to every episode that starts with it
-    (the samples of one task share their prompt), so a group's prompt is prefilled once instead of per sample.
+    """Writes shared prompt tokens into the cache once and forks them: the opening every episode shares (system
+    prompt and instruction) once per rollout, then each distinct first prompt (the samples of one task) once per
+    task, instead of once per episode.
 
     Returns the sampler state and, per episode, how many of its pending ids are already in its cache row (all but
     the last: the first ``generate`` call needs a new token to read logits from).
     """
+    if not pending:
+        return sampler.new_state(episodes), {}
+    prompts = list(pending.values())
+    shortest = min(len(ids) for ids in prompts) - 1
+    common = 0
+    while common < shortest and all(ids[common] == prompts[0][common] for ids in prompts):
+        common += 1
     distinct: dict[tuple[int, ...], int] = {}
     source = {i: distinct.setdefault(tuple(ids), len(distinct)) for i, ids in pending.items()}
-    if len(distinct) == len(pending) or not pending:
-        return sampler.new_state(episodes), {}
-    state = sampler.new_state(len(distinct))
-    state = sampler.prefill(state, [list(ids[:-1]) for ids in distinct])
+    if len(distinct) == len(pending) and common < 2 * len(prompts[0]) // 5:
+        return sampler.new_state(episodes), {}  # too little shared to pay for the extra programs
+    state = sampler.new_state(1)
+    state = sampler.prefill(state, [prompts[0][:common]])
+    state = sampler.select_rows(state, [0] * len(distinct))
+    state = sampler.prefill(state, [list(ids[common:-1]) for ids in distinct])
     state = sampler.select_rows(state, [source.get(i, 0) for i in range(episodes)])
     return state, {i: len(ids) - 1 for i, ids in pending.items()}
 

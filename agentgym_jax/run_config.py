@@ -133,6 +133,9 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
     _require(rollout.max_trajectory_tokens > rollout.max_turn_tokens, "rollout.max_trajectory_tokens",
              "must exceed rollout.max_turn_tokens")
     _require(rollout.temperature >= 0, "rollout.temperature", f"must be >= 0, got {rollout.temperature}")
+    _require(rollout.temperature == 0 or config.algo.temperature == rollout.temperature, "algo.temperature",
+             f"is {config.algo.temperature} but rollout.temperature is {rollout.temperature}; the learner scores "
+             "tokens at algo.temperature, so set both equal for the importance ratio to compare the sampling policy")
     _require(0 < rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {rollout.top_p}")
     _require(config.env.num_workers >= 0, "env.num_workers", f"must be >= 0, got {config.env.num_workers}")
     _require(config.env.step_timeout_s > 0, "env.step_timeout_s", "must be positive")

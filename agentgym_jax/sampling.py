@@ -8,7 +8,8 @@ recomputed: a multi-turn episode costs one prefill of its new tokens per turn.
 The sampler reads the policy parameters exactly as the trainer holds them (the ``nnx.split`` state), so
 sampling and training share one set of sharded arrays.
 
-Returned log-probs are the model's own (temperature 1, unfiltered) ``log_softmax`` of each sampled token, i.e.
+Returned log-probs are the model's own (unfiltered) ``log_softmax`` of each sampled token at
+``SamplerConfig.logprob_temperature`` (1 unless set to the learner's temperature), i.e.
 what a teacher-forced forward over the whole sequence gives.
 """
 
@@ -85,10 +86,10 @@ class SamplerState:
 
 def _sample_tokens(
     logits: jax.Array, keys: jax.Array, counters: jax.Array, temperature: jax.Array, top_p: jax.Array,
-    top_k: jax.Array, filtered: bool,
+    top_k: jax.Array, filtered: bool, logprob_temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row; returns (ids [B], model log-probs [B])."""
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    logprobs_all = jax.nn.log_softmax(logits / logprob_temperature, axis=-1)
     greedy = jnp.argmax(logits, axis=-1)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     if filtered:
@@ -111,7 +112,8 @@ def _sample_tokens(
     return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_ids", "stop_sequences", "filtered", "window"),
+@partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_ids", "stop_sequences", "filtered", "window",
+                                   "logprob_temperature"),
          donate_argnames=("cache",))
 def _generate_program(
     state: Any,
@@ -130,6 +132,7 @@ def _generate_program(
     stop_sequences: tuple[tuple[int, ...], ...],
     filtered: bool,
     window: int,
+    logprob_temperature: float = 1.0,
 ):
     model = nnx.merge(graphdef, state)
     batch = new_tokens.shape[0]
@@ -164,7 +167,8 @@ def _generate_program(
         full = running & (cache.lengths >= capacity)
         reason = jnp.where(full, StopReason.CACHE_FULL, reason)
         running = running & ~full
-        token, logprob = _sample_tokens(c["logits"], keys, count, temperature, top_p, top_k, filtered)
+        token, logprob = _sample_tokens(c["logits"], keys, count, temperature, top_p, top_k, filtered,
+                                        logprob_temperature)
         token = jnp.where(running, token, 0)
         write_at = jnp.where(running, count, max_new)  # out of range -> dropped
         tokens = c["tokens"].at[rows, write_at].set(token, mode="drop")
@@ -220,6 +224,7 @@ class SamplerConfig:
     cache_dtype: str | None = None  # default: the model's compute dtype
     stop_token_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()
+    logprob_temperature: float = 1.0  # returned log-probs are of logits / this (the learner's temperature)
     token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     new_token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -333,7 +338,8 @@ class Sampler:
             cache, tokens, logprobs, count, reason = _generate_program(
                 self.state, state.cache, keys=keys, graphdef=self.graphdef, max_new=max_new,
                 stop_ids=tuple(self.config.stop_token_ids), stop_sequences=tuple(self.config.stop_sequences),
-                filtered=filtered, window=window, **arrays,
+                filtered=filtered, window=window, logprob_temperature=float(self.config.logprob_temperature),
+                **arrays,
             )
         state.cache = None  # donated to the program above
         tokens, logprobs, count, reason, cache_lengths = jax.device_get(

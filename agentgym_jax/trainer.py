@@ -66,6 +66,7 @@ class Trainer:
         self.sampler = Sampler(
             model, SamplerConfig(cache_length=cache_length, stop_token_ids=stop_ids,
                                  cache_dtype=config.model.dtype,
+                                 logprob_temperature=float(config.algo.temperature),
                                  window_buckets=tuple(b for b in LENGTH_BUCKETS if b < cache_length),
                                  token_buckets=(16, 32, 64, 128) + tuple(b for b in LENGTH_BUCKETS if b > 128)),
             mesh=self.mesh,

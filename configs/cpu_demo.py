@@ -32,11 +32,11 @@ def get_config(variant: str = ""):
     c.env.test_subtasks = ("GoTo",)
     c.data.update(dict(tasks_per_step=4, samples_per_task=4, validation_tasks=0, test_tasks=80,
                        dynamic_sampling=True, dynamic_max_rounds=2, dynamic_oversample=1.5))
-    c.rollout.update(dict(max_turn_tokens=16, max_trajectory_tokens=640, temperature=1.0, canned_reply="",
+    c.rollout.update(dict(max_turn_tokens=16, max_trajectory_tokens=640, temperature=0.7, canned_reply="",
                           response_prefix="Action:\n", stop_at_newline=True))
     c.horizon.type, c.horizon.turns = "fixed", 2
     c.algo.update(dict(learning_rate=3e-5, minibatch_size=16, microbatch_size=8, logprob_chunk_size=128,
-                       trainable_layers=8, kl_coef=0.0, use_reference=False))
+                       trainable_layers=8, kl_coef=0.0, use_reference=False, temperature=0.7))
     c.train.update(dict(steps=30, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=10, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
     c.eval.update(dict(k=1, greedy=True, batch_tasks=40))

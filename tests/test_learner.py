@@ -68,7 +68,6 @@ def _assert_trees_close(a: dict, b: dict, atol: float, rtol: float = 0.0) -> Non
         (dict(lr_schedule="cosine"), "needs total_steps"),
         (dict(clip_ratio_c=0.9), "clip_ratio_c must be > 1"),
         (dict(minibatch_size=6, microbatch_size=4), "minibatch_size=6 must be a multiple of microbatch_size=4"),
-        (dict(old_logp_source="sampler", temperature=0.7), "Sampler's log-probs are at temperature 1"),
         (dict(use_reference=False), "kl_coef=0.001 needs the reference policy"),
         (dict(kl_in_reward=True), "kl_in_reward=True is supported by the token-level estimators"),
         (dict(ppo_epochs=0), "ppo_epochs must be >= 1"),

@@ -231,3 +231,16 @@ def test_shared_prompt_prefilled_once_and_forked_samples_like_separate_prefills(
         np.testing.assert_allclose(a, b, atol=1e-4)
     with pytest.raises(ConfigError, match="does not fit the sampler cache"):
         sampler.prefill(sampler.new_state(1), [list(range(3, 140))])
+
+
+def test_logprobs_at_the_learner_temperature(pair):
+    _, ours, _ = pair
+    sampler = Sampler(ours, SamplerConfig(cache_length=128, logprob_temperature=0.7))
+    _, result = sampler.generate(sampler.new_state(1), PROMPTS[:1], jax.random.PRNGKey(2),
+                                 SamplingParams(temperature=0.7, max_new_tokens=8))
+    ids = PROMPTS[0] + result.tokens[0]
+    logits = np.asarray(ours(jnp.asarray([ids])))[0] / 0.7
+    expected = jax.nn.log_softmax(logits, axis=-1)
+    n = len(PROMPTS[0])
+    np.testing.assert_allclose(result.logprobs[0], [expected[n + i - 1, t] for i, t in enumerate(result.tokens[0])],
+                               atol=1e-4)
