@@ -35,9 +35,9 @@ def get_config(variant: str = ""):
     c.rollout.update(dict(max_turn_tokens=16, max_trajectory_tokens=640, temperature=0.7, canned_reply="",
                           response_prefix="Action:\n", stop_at_newline=True))
     c.horizon.type, c.horizon.turns = "fixed", 2
-    c.algo.update(dict(learning_rate=3e-5, minibatch_size=16, microbatch_size=8, logprob_chunk_size=128,
+    c.algo.update(dict(learning_rate=5e-5, minibatch_size=8, microbatch_size=8, logprob_chunk_size=128,
                        trainable_layers=8, kl_coef=0.0, use_reference=False, temperature=0.7))
-    c.train.update(dict(steps=30, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=10, eval_before=True,
+    c.train.update(dict(steps=11, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=11, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
-    c.eval.update(dict(k=1, greedy=True, batch_tasks=40))
+    c.eval.update(dict(k=1, greedy=True, batch_tasks=80))
     return c
