@@ -2,20 +2,28 @@
 
     python -m launch.train --config=configs/cpu_demo.py        # what `make demo` runs
 
-Why this slice: GoTo levels are solved by one or a few listed macro actions ("go to red ball 1"), so the
-135M model's starting success is above zero (the learning signal GRPO needs) yet far from perfect. Choices made
-so that the starting policy can earn reward at all, and so that the run fits in about 30 minutes here:
+What the demo shows, and what it does not: on the eight single-room GoTo levels the environment offers macro
+actions ("go to grey box 1"), so a task is solved by writing one listed action that names the goal's object.
+The untrained 135M model mostly writes "pickup <the first object it sees>" or prose; RL has to teach it the
+right verb and to take the object from its goal. That is format and copying learned from reward alone, not
+planning (docs and ../shared/reference/cpu-demo-probe.md give environment-only baselines).
 
-* ``action_matching="closest"``: a near miss such as "go to the red ball" maps to the closest listed action;
-  the small model rarely copies the exact string at first.
-* ``instruction_style="compact"``: the short instruction (format + one worked example), a quarter of the
-  tokens of the full one; every prompt token costs forward and backward compute on a CPU.
-* horizon 2 turns, 48 tokens per turn, 2 tasks x 4 samples per step, temperature 1.0 (the original's).
-* per-layer remat and 2-row micro-batches keep the learner near 6.5 GB (without remat a step needs > 12 GB).
-* learning rate 1e-5 (the original's 1e-6 is tuned for a 7B model and hundreds of steps).
+Settings and why:
 
-Evaluation is greedy, on the 24 held-out GoTo test tasks (test seeds never appear in training), before and
-after training, with 95% Wilson intervals; the report goes to benchmarks/results/demo.json.
+* ``response_prefix="Action:\n"``: every agent turn opens with this text, rendered as template glue (loss mask
+  0, never trained), in training and evaluation alike, so the small model answers with an action line rather
+  than prose; ``stop_at_newline`` ends the turn after that line (a turn costs ~10 decode steps, not 48).
+* ``action_matching="closest"``: "go to the grey box" selects the listed "go to grey box 1"; a text naming an
+  object that is not listed is still invalid.
+* ``instruction_style="brief"``: the short instruction without its worked example (whose answer "go to red
+  ball 1" solves the red-ball levels verbatim and is what the model copies otherwise).
+* groups of 4 at temperature 0.7, 4 tasks per step, dynamic sampling (up to 2 rounds: groups whose 4 episodes
+  all got the same reward are dropped and replaced), horizon 2 turns.
+* only the top 8 of 30 layers train (``trainable_layers``): the backward pass stops there, which halves a
+  step's compute on a CPU; learning rate 5e-5, no KL term.
+
+Evaluation is greedy on 80 held-out GoTo test tasks (test seeds never appear in training), before and after
+training, with 95% Wilson intervals and paired outcomes; the report goes to benchmarks/results/demo.json.
 """
 
 from agentgym_jax.run_config import base_config
@@ -25,7 +33,7 @@ def get_config(variant: str = ""):
     del variant
     c = base_config()
     c.env.name = "babyai"
-    c.env.kwargs = dict(action_matching="closest", instruction_style="compact", num_test_seeds=10,
+    c.env.kwargs = dict(action_matching="closest", instruction_style="brief", num_test_seeds=10,
                         num_train_seeds=100)
     c.env.num_workers = 1
     c.env.train_subtasks = ("GoTo",)

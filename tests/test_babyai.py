@@ -413,3 +413,24 @@ def test_compact_instruction_keeps_the_format_and_example():
     assert "Action:\ngo to red ball 1" in compact and "Available actions" in compact
     with pytest.raises(ValueError, match="instruction_style"):
         BabyAIEnvironment(instruction_style="verbose")
+
+
+def test_brief_instruction_is_compact_without_the_example():
+    compact = BabyAIEnvironment(instruction_style="compact").instruction()
+    brief = BabyAIEnvironment(instruction_style="brief").instruction()
+    assert compact.startswith(brief) and len(brief) < len(compact)
+    assert "Example" not in brief and "red ball" not in brief
+    assert brief.endswith("Action:\n<one available action>")
+
+
+def test_levels_keep_only_the_named_levels_in_both_splits():
+    names = ("BabyAI-GoToLocalS8N7-v0", "BabyAI-GoToDoor-v0")
+    env = BabyAIEnvironment(num_test_seeds=3, num_train_seeds=5, levels=names)
+    indices = {i for i, level in enumerate(LEVELS) if level.gym_id in names}
+    test, train = env.tasks("test"), env.tasks("train")
+    assert len(test) == 3 * 2 and len(train) == 5 * 2
+    assert {t.task_id % 40 for t in test + train} == indices
+    assert not {t.task_id for t in test} & {t.task_id for t in train}
+    assert env.reset(test[0].task_id)[0].startswith("Your goal:")
+    with pytest.raises(ValueError, match="unknown BabyAI level.*GoToNowhere"):
+        BabyAIEnvironment(levels=("BabyAI-GoToNowhere-v0",))

@@ -41,17 +41,26 @@ class BabyAIEnvironment(Environment):
             (lenient matching, see :mod:`environments.babyai.parsing`).
         num_test_seeds: seeds ``[0, num_test_seeds)`` form the test split (40 tasks per seed).
         num_train_seeds: the following seeds form the train split.
+        instruction_style: ``"full"``, ``"compact"`` (a quarter of the tokens, one worked example) or ``"brief"``
+            (compact without the example).
+        levels: gym ids of the levels the task lists keep (empty: all 40), e.g. a task family for a demo.
     """
 
     name = "babyai"
 
     def __init__(self, action_matching: str = "exact", num_test_seeds: int = 3, num_train_seeds: int = 100,
-                 instruction_style: str = "full"):
+                 instruction_style: str = "full", levels: Sequence[str] = ()):
         self.action_matching = check_matching_mode(action_matching)
         if instruction_style not in INSTRUCTIONS:
             raise ValueError(f"instruction_style must be one of {sorted(INSTRUCTIONS)}, got {instruction_style!r}")
         self._instruction = INSTRUCTIONS[instruction_style]
         self.splits = levels_lib.SplitConfig(num_test_seeds=num_test_seeds, num_train_seeds=num_train_seeds)
+        known = {level.gym_id for level in levels_lib.LEVELS}
+        unknown = [name for name in levels if name not in known]
+        if unknown:
+            raise ValueError(f"unknown BabyAI level(s) {unknown}; use gym ids from environments.babyai.levels.LEVELS, "
+                             "e.g. 'BabyAI-GoToLocalS8N7-v0'")
+        self.levels = tuple(levels)  # task lists keep only these levels (empty: all 40)
         self._envs: dict[str, Any] = {}  # gymnasium env per level, built on first use
         self._env: Any = None  # the unwrapped minigrid env of the current episode
         self._table: MacroTable | None = None
@@ -64,7 +73,10 @@ class BabyAIEnvironment(Environment):
         return self._instruction
 
     def tasks(self, split: str) -> Sequence[Task]:
-        return self.splits.tasks(split)
+        tasks = self.splits.tasks(split)
+        if not self.levels:
+            return tasks
+        return [t for t in tasks if levels_lib.level_and_seed(t.task_id)[0].gym_id in self.levels]
 
     def reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
         level, seed = self._check_task(task_id)

@@ -48,4 +48,8 @@ Thought: The red ball is ahead of me.
 Action:
 go to red ball 1"""
 
-INSTRUCTIONS = {"full": INSTRUCTION, "compact": COMPACT_INSTRUCTION}
+# The compact instruction without its worked example: the example's answer ("go to red ball 1") solves the
+# red-ball GoTo levels verbatim, so a small model copying it scores there without reading its goal.
+BRIEF_INSTRUCTION = COMPACT_INSTRUCTION.split("\n\nExample:")[0]
+
+INSTRUCTIONS = {"full": INSTRUCTION, "compact": COMPACT_INSTRUCTION, "brief": BRIEF_INSTRUCTION}
