@@ -7,12 +7,14 @@ from typing import Sequence
 from agentgym_jax.errors import ConfigError
 
 
-def bucket(size: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= ``size``; a clear error when ``size`` exceeds the largest bucket."""
+def bucket(size: int, buckets: Sequence[int], setting: str = "") -> int:
+    """The smallest bucket >= ``size``; a clear error when ``size`` exceeds the largest bucket.
+
+    ``setting`` names what the size comes from (e.g. ``"rollout.max_trajectory_tokens"``) for the error.
+    """
     for candidate in sorted(buckets):
         if candidate >= size:
             return candidate
-    raise ConfigError(
-        f"size {size} exceeds the largest shape bucket {max(buckets)}; add a larger bucket or lower the "
-        "token budget"
-    )
+    what = f"{setting}={size}" if setting else f"size {size}"
+    raise ConfigError(f"{what} exceeds the largest shape bucket, {max(buckets)}; lower it to at most "
+                      f"{max(buckets)} (or add a larger bucket to the list it is padded to)")

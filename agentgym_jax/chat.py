@@ -159,7 +159,10 @@ class ChatTokenizer:
         extra: list[int] = []
         generation_config = path / "generation_config.json"
         if generation_config.is_file():
-            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            except json.JSONDecodeError as err:
+                raise TokenizerError(f"{generation_config} is not valid JSON ({err}); fix or remove it") from err
             extra = [eos] if isinstance(eos, int) else list(eos or [])
         return cls(tokenizer, chat_template=chat_template, extra_stop_token_ids=extra)
 

@@ -7,14 +7,21 @@ and the random keys of a step — is a pure function of (seed, step), so restori
 Saving is asynchronous. The manager keeps the last ``keep_last`` checkpoints plus the best one by evaluation
 score. A latest checkpoint that fails to restore (corrupt, partial) is skipped with a warning and the previous
 one is used.
+
+A save first checks that the disk has room for the state, and a failed write (disk full, read-only or vanished
+directory) is raised as a ``CheckpointError`` naming the step, the directory and the cause.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
@@ -36,16 +43,48 @@ class RunCheckpointer:
             preservation_policy=policy, enable_async_checkpointing=asynchronous, create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "record"))
+        self._pending: int | None = None  # the step of the last save started
+        self.skipped: list[int] = []  # checkpoints the last restore passed over because they did not read back
 
     def save(self, step: int, state: Any, record: dict[str, Any], eval_score: float | None = None) -> None:
         """Starts saving ``state`` and ``record`` as checkpoint ``step`` (returns before the write finishes)."""
+        self._check_room(step, state)
         metrics = None if eval_score is None else {EVAL_METRIC: float(eval_score)}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)),
-            metrics=metrics,
-            force=True,
-        )
+        with self._failures(f"writing checkpoint {step}"):
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)),
+                metrics=metrics,
+                force=True,
+            )
+        self._pending = step
+
+    def _check_room(self, step: int, state: Any) -> None:
+        needed = sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree_util.tree_leaves(state))
+        free = shutil.disk_usage(self.directory if self.directory.exists() else self.directory.parent).free
+        if free < 1.1 * needed + 64 * 2**20:
+            raise CheckpointError(
+                f"not enough disk space for checkpoint {step} in {self.directory}: it needs about "
+                f"{needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; free space, lower train.keep_checkpoints "
+                "or point --workdir at a larger disk (the last checkpoint on disk is intact)")
+
+    @contextlib.contextmanager
+    def _failures(self, what: str) -> Iterator[None]:
+        """Turns an I/O failure of ``what`` into a CheckpointError that names its cause first."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as error:  # orbax wraps the OSError of a failed write in its own types
+            cause: BaseException | None = error
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__cause__ or cause.__context__
+            if not isinstance(cause, OSError):
+                raise
+            reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
+                      errno.EACCES: "permission denied"}.get(cause.errno, cause.strerror or str(cause))
+            raise CheckpointError(f"{what} in {self.directory} failed: {reason} ({cause}); free space or point "
+                                  "--workdir at a writable disk, then --resume") from error
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -56,8 +95,9 @@ class RunCheckpointer:
         ``abstract_state`` is a tree of the same structure (e.g. a freshly built learner's state) giving shapes,
         dtypes and shardings.
         """
-        self.manager.wait_until_finished()
+        self.wait()
         errors = []
+        self.skipped = []
         for step in reversed(self.steps()):
             try:
                 restored = self.manager.restore(
@@ -70,6 +110,7 @@ class RunCheckpointer:
                 logging.warning("checkpoint %d in %s cannot be restored (%s); trying the previous one",
                                 step, self.directory, error)
                 errors.append(f"step {step}: {error}")
+                self.skipped.append(step)
                 continue
             return step, restored["state"], dict(restored["record"])
         if errors:
@@ -84,8 +125,9 @@ class RunCheckpointer:
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""
-        self.manager.wait_until_finished()
+        with self._failures(f"writing checkpoint {self._pending}"):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()

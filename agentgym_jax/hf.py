@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -36,6 +37,7 @@ TOKENIZER_FILES = (
 # Tensors some checkpoints carry that carry no learned state of ours.
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+EXPORT_MARKER = ".agentgym-export.json"  # marks a directory an export of this tool wrote (may be replaced)
 
 
 def our_to_hf_name(path: str) -> str:
@@ -202,24 +204,59 @@ def export_model(
     tokenizer_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     generation_config: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Writes ``model`` as a Hugging Face directory: config, generation config, safetensors and tokenizer.
 
     Weights above ``max_shard_bytes`` are split into numbered shards with ``model.safetensors.index.json``.
-    Tokenizer files (and the chat template) are copied from ``tokenizer_dir``.
+    Tokenizer files (and the chat template) are copied from ``tokenizer_dir``. The directory is written beside
+    ``out_dir`` and renamed into place, so a failure leaves nothing half-written. An existing non-empty
+    ``out_dir`` is refused unless it is an earlier export of this tool (it holds ``EXPORT_MARKER``) and
+    ``overwrite`` is set; the model directory itself is always refused.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    (out / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-    _write_generation_config(out, config, tokenizer_dir, generation_config)
-    _write_weights(model, out, max_shard_bytes)
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            source = Path(tokenizer_dir) / name
-            if source.is_file():
-                shutil.copyfile(source, out / name)
+    out = Path(out_dir).absolute()
+    _check_export_target(out, tokenizer_dir, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        config = model.config
+        (staging / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+        _write_generation_config(staging, config, tokenizer_dir, generation_config)
+        _write_weights(model, staging, max_shard_bytes)
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                source = Path(tokenizer_dir) / name
+                if source.is_file():
+                    shutil.copyfile(source, staging / name)
+        (staging / EXPORT_MARKER).write_text(json.dumps({"written_by": "agentgym_jax"}) + "\n")
+        if out.exists():  # an earlier export of ours, replaced as a whole
+            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+            out.rename(retired / out.name)
+            staging.rename(out)
+            shutil.rmtree(retired)
+        else:
+            staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
     return out
+
+
+def _check_export_target(out: Path, tokenizer_dir: Any, overwrite: bool) -> None:
+    """Refuses an export that would destroy or mix with files this tool did not write."""
+    if tokenizer_dir is not None and Path(tokenizer_dir).exists() and out.exists() and \
+            out.resolve() == Path(tokenizer_dir).resolve():
+        raise CheckpointError(f"export directory {out} is the model directory the policy was loaded from; "
+                              "exporting there would destroy the base model. Pass another directory")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"export directory {out} is a file; pass a new or empty directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / EXPORT_MARKER).is_file():
+            raise CheckpointError(f"export directory {out} is not empty and was not written by an export of this "
+                                  "tool; pass a new or empty directory (nothing was changed)")
+        if not overwrite:
+            raise CheckpointError(f"export directory {out} holds an earlier export; pass --overwrite to replace it "
+                                  "or choose a new directory")
 
 
 def _write_generation_config(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,8 @@ def plot_run(directory: str | Path) -> Path:
     figure.suptitle(f"agentgym-jax training run: {directory.resolve().name} ({status})", fontsize=11)
     figure.tight_layout()
     out = directory / "training.png"
-    figure.savefig(out, dpi=110)
+    partial = directory / ".training.png.partial"
+    figure.savefig(partial, dpi=110, format="png")
     plt.close(figure)
+    os.replace(partial, out)  # a reader never sees a half-written picture
     return out

@@ -272,6 +272,14 @@ class Sampler:
         fitting = [w for w in self.config.window_buckets if reach <= w < capacity]
         return min(fitting) if fitting else capacity
 
+    def _check_context(self, ends: np.ndarray) -> None:
+        """Refuses prompts that end beyond the model's positions (its output there is undefined)."""
+        limit = self.model_config.max_position_embeddings
+        if np.any(ends > limit):
+            raise ConfigError(f"a prompt reaches position {int(ends.max())}, beyond the model's context of {limit} "
+                              "tokens (max_position_embeddings in its config.json); shorten the prompt or the "
+                              "token budget")
+
     def new_state(self, batch: int) -> SamplerState:
         """Empty caches for ``batch`` episodes (padded to a batch bucket; extra rows stay inactive)."""
         padded = self.batch_bucket(batch)
@@ -309,6 +317,7 @@ class Sampler:
         per_row = per_row + [SamplingParams()] * (batch - len(per_row))
         lengths = np.array([len(t) for t in rows], np.int64)
         reasons_before = np.full((batch,), StopReason.RUNNING)
+        self._check_context(state.lengths + lengths)
         no_room = (state.lengths + lengths > self.config.cache_length) & (lengths > 0)
         reasons_before[no_room] = StopReason.CACHE_FULL
         lengths[no_room] = 0
@@ -363,6 +372,7 @@ class Sampler:
             raise ConfigError(f"{len(new_tokens)} rows given, but the sampler state holds {batch}")
         rows = [list(t or ()) for t in new_tokens] + [[]] * (batch - len(new_tokens))
         lengths = np.array([len(t) for t in rows], np.int64)
+        self._check_context(state.lengths + lengths)
         if np.any(state.lengths + lengths > self.config.cache_length):
             raise ConfigError(f"prefill of {int(lengths.max())} tokens does not fit the sampler cache of "
                               f"{self.config.cache_length} slots; raise the cache length or shorten the prompt")

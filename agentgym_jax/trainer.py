@@ -32,6 +32,7 @@ from agentgym_jax.metrics_log import MetricLogger, plot_run
 from agentgym_jax.rollout import (END_REASONS, RolloutConfig, RolloutStats, Trajectory, pack_trajectories,
                                   run_rollout)
 from agentgym_jax.run_config import learner_config_from, resolve_model_path, validate_run_config
+from agentgym_jax.run_dir import atomic_write_text, claim_run_directory
 from agentgym_jax.sampling import Sampler, SamplerConfig
 
 LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288,
@@ -53,13 +54,19 @@ class Trainer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.mesh = sharding.make_mesh(tuple(config.mesh.shape)) if config.mesh.shape != (1, 1, 1) else None
         self.model_dir = resolve_model_path(config.model.path)
+        if self.model_dir.is_dir():
+            hf.read_hf_config(self.model_dir)  # a broken config.json is named as such, not as a tokenizer problem
         self.chat = ChatTokenizer.from_pretrained(self.model_dir)
         model = hf.load_model(
             self.model_dir, mesh=self.mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
             remat=config.model.remat,
         )
         self.learner = Learner(model, learner_config_from(config), mesh=self.mesh)
-        cache_length = bucket(config.rollout.max_trajectory_tokens, LENGTH_BUCKETS)
+        budget = config.rollout.max_trajectory_tokens
+        if budget > model.config.max_position_embeddings:
+            raise ConfigError(f"rollout.max_trajectory_tokens={budget} exceeds the model's context of "
+                              f"{model.config.max_position_embeddings} tokens (max_position_embeddings); lower it")
+        cache_length = bucket(budget, LENGTH_BUCKETS, "rollout.max_trajectory_tokens")
         stop_ids = tuple(self.chat.stop_token_ids)
         if config.rollout.stop_at_newline:  # a turn ends at its first line break (e.g. after the action line)
             stop_ids += self.chat.newline_token_ids()
@@ -290,7 +297,8 @@ class Trainer:
         self.learner.restore_checkpoint_state(state)
         self.sampler.update_params(self.learner.policy_state)
         self.step = int(record["step"])
-        logging.info("resumed from checkpoint %d in %s", step, self.checkpointer.directory)
+        skipped = f" (skipped unreadable checkpoints {self.checkpointer.skipped})" if self.checkpointer.skipped else ""
+        logging.warning("restored checkpoint %d from %s%s", step, self.checkpointer.directory, skipped)
         return True
 
     def fit(self, steps: int | None = None) -> list[dict[str, float]]:
@@ -320,10 +328,10 @@ class Trainer:
         self.checkpointer.wait()
         return history
 
-    def export(self, out_dir: str | Path | None = None) -> Path:
-        """Writes the current policy as a Hugging Face directory."""
+    def export(self, out_dir: str | Path | None = None, overwrite: bool = True) -> Path:
+        """Writes the current policy as a Hugging Face directory (replacing only an earlier export of ours)."""
         out = Path(out_dir or self.workdir / "export")
-        return hf.export_model(self.learner.policy_model(), out, tokenizer_dir=self.model_dir)
+        return hf.export_model(self.learner.policy_model(), out, tokenizer_dir=self.model_dir, overwrite=overwrite)
 
     def plot(self) -> Path:
         return plot_run(self.workdir)
@@ -352,17 +360,24 @@ def _readable(trajectory: Trajectory) -> dict[str, Any]:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | None = None,
-                       resume: bool = False) -> dict[str, Any]:
+                       resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """The whole run: optional test evaluation before, training, test evaluation after, export and plot.
 
-    Returns a report (also written to ``workdir/report.json``, and to ``config.train.report_path`` if set).
+    The run directory is claimed first (:mod:`agentgym_jax.run_dir`): a directory holding another run is
+    refused unless ``resume`` (same config) or ``overwrite`` is set. On resume the logs are rewound to the
+    restored step. Returns a report (also written to ``workdir/report.json``, and to ``config.train.report_path``
+    if set).
     """
     started = time.perf_counter()
+    validate_run_config(config)
+    claim_run_directory(workdir or config.train.workdir, config, resume=resume, overwrite=overwrite)
     trainer = Trainer(config, workdir)
     report: dict[str, Any] = {"workdir": str(trainer.workdir), "n_test_tasks": len(trainer.test_tasks)}
     try:
-        if resume and trainer.maybe_resume():
-            report["resumed_from_step"] = trainer.step
+        if resume:
+            if trainer.maybe_resume():
+                report["resumed_from_step"] = trainer.step
+            trainer.logger.rewind(trainer.step)  # drops rows logged after the checkpoint (all, if none was saved)
         if config.train.eval_before and trainer.step == 0:
             before, trajectories = trainer.evaluate(trainer.test_tasks, desc="test eval (before)")
             report["eval_before"] = before
@@ -387,16 +402,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | 
             k = report[key]["k"]
             report[f"success_{name}"] = overall[f"pass@{k}"]
             report[f"wilson_{name}"] = overall["pass_wilson95"]
-    (Path(report["workdir"]) / "report.json").write_text(json.dumps(report, indent=2))
+    atomic_write_text(Path(report["workdir"]) / "report.json", json.dumps(report, indent=2))
     if config.train.report_path:
-        Path(config.train.report_path).parent.mkdir(parents=True, exist_ok=True)
         keys = ("success_before", "success_after", "wilson_before", "wilson_after", "n_test_tasks", "minutes",
                 "paired", "peak_rss_gb", "peak_rss_children_gb", "settings")
         summary = {k: report[k] for k in keys if k in report}
         summary.update({"env": config.env.name, "train_subtasks": list(config.env.train_subtasks),
                         "steps": int(config.train.steps), "algorithm": config.algo.advantage_estimator,
                         "eval_k": int(config.eval.k), "eval_greedy": bool(config.eval.greedy)})
-        Path(config.train.report_path).write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(config.train.report_path, json.dumps(summary, indent=2) + "\n")
     return report
 
 
@@ -410,9 +424,7 @@ def peak_rss_gb() -> dict[str, float]:
 
 
 def _write_eval(prefix: Path, summary: dict[str, Any], trajectories: Sequence[Trajectory]) -> None:
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    prefix.with_suffix(".md").write_text(evaluation.markdown_table(summary))
-    with prefix.with_suffix(".trajectories.jsonl").open("w") as handle:
-        for t in trajectories:
-            handle.write(json.dumps(_readable(t), ensure_ascii=False) + "\n")
+    lines = "".join(json.dumps(_readable(t), ensure_ascii=False) + "\n" for t in trajectories)
+    atomic_write_text(prefix.with_suffix(".trajectories.jsonl"), lines)
+    atomic_write_text(prefix.with_suffix(".md"), evaluation.markdown_table(summary))
+    atomic_write_text(prefix.with_suffix(".json"), json.dumps(summary, indent=2) + "\n")

@@ -17,10 +17,13 @@ Settings and why:
   object that is not listed is still invalid.
 * ``instruction_style="brief"``: the short instruction without its worked example (whose answer "go to red
   ball 1" solves the red-ball levels verbatim and is what the model copies otherwise).
-* groups of 4 at temperature 0.7, 4 tasks per step, dynamic sampling (up to 2 rounds: groups whose 4 episodes
-  all got the same reward are dropped and replaced), horizon 2 turns.
+* training episodes are one turn long (the first turn decides most GoTo tasks; a one-turn episode shares its
+  whole prompt across its group, so sampling costs one prefill per task), evaluation gives two turns.
+* groups of 4 at temperature 0.7, 6 tasks per step, dynamic sampling (up to 2 rounds: groups whose 4 episodes
+  all got the same reward are dropped and replaced by groups of 12 further tasks); the update sees only groups
+  that carry signal, two PPO epochs over them, DAPO's clip-higher (0.28).
 * only the top 8 of 30 layers train (``trainable_layers``): the backward pass stops there, which halves a
-  step's compute on a CPU; learning rate 5e-5, no KL term.
+  step's compute on a CPU; learning rate 1e-4, no KL term.
 
 Evaluation is greedy on 80 held-out GoTo test tasks (test seeds never appear in training), before and after
 training, with 95% Wilson intervals and paired outcomes; the report goes to benchmarks/results/demo.json.
@@ -38,14 +41,15 @@ def get_config(variant: str = ""):
     c.env.num_workers = 1
     c.env.train_subtasks = ("GoTo",)
     c.env.test_subtasks = ("GoTo",)
-    c.data.update(dict(tasks_per_step=4, samples_per_task=4, validation_tasks=0, test_tasks=80,
-                       dynamic_sampling=True, dynamic_max_rounds=2, dynamic_oversample=1.5))
+    c.data.update(dict(tasks_per_step=6, samples_per_task=4, validation_tasks=0, test_tasks=80,
+                       dynamic_sampling=True, dynamic_max_rounds=2, dynamic_oversample=2.0))
     c.rollout.update(dict(max_turn_tokens=16, max_trajectory_tokens=640, temperature=0.7, canned_reply="",
                           response_prefix="Action:\n", stop_at_newline=True))
-    c.horizon.type, c.horizon.turns = "fixed", 2
-    c.algo.update(dict(learning_rate=5e-5, minibatch_size=8, microbatch_size=8, logprob_chunk_size=128,
-                       trainable_layers=8, kl_coef=0.0, use_reference=False, temperature=0.7))
-    c.train.update(dict(steps=11, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=11, eval_before=True,
+    c.horizon.type, c.horizon.turns = "fixed", 1
+    c.algo.update(dict(learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8, microbatch_size=8,
+                       logprob_chunk_size=128, trainable_layers=8, kl_coef=0.0, use_reference=False,
+                       temperature=0.7))
+    c.train.update(dict(steps=14, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=14, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
-    c.eval.update(dict(k=1, greedy=True, batch_tasks=80))
+    c.eval.update(dict(k=1, greedy=True, batch_tasks=80, horizon=2))
     return c

@@ -23,6 +23,7 @@ retried only when the connection could not be made (a step that may have run is 
 
 import itertools
 import json
+import secrets
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -83,7 +84,9 @@ class EnvServer:
         self.bare_actions = bare_actions
         self._factory = env_factory
         self._slots: dict[int, _Slot] = {}
-        self._ids = itertools.count()
+        # Ids start at a random offset, so after a server restart an old client's id names no environment
+        # (and gets "not valid") instead of silently driving another client's episode.
+        self._ids = itertools.count(secrets.randbelow(2**40) * 1024)
         self._lock = threading.Lock()
         self._describer: Environment | None = None
 

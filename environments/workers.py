@@ -25,6 +25,7 @@ import dataclasses
 import importlib
 import multiprocessing
 import multiprocessing.connection
+import pickle
 import signal
 import time
 import traceback
@@ -118,6 +119,25 @@ class EpisodeHost:
             self._discard(env)
 
 
+def _sendable(host: EpisodeHost, outcome: EpisodeOutcome) -> EpisodeOutcome:
+    """``outcome``, or, when it cannot cross the process boundary, that episode failed with the reason."""
+    try:
+        pickle.dumps(outcome)
+        return outcome
+    except Exception as error:  # noqa: BLE001 - pickling raises several types
+        bad = []
+        for key, value in outcome.info.items():
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001
+                bad.append(key)
+        host.close_episode(outcome.episode_id)
+        return EpisodeOutcome(
+            outcome.episode_id, "", 0.0, True, {},
+            f"the environment returned data that cannot be sent from its worker process ({type(error).__name__}: "
+            f"{error}); info keys {bad} hold such objects: return plain data (str, numbers, lists, dicts)")
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
@@ -141,10 +161,10 @@ def _worker_main(
                 return
             if command == "reset":
                 for episode_id, task_id in payload:
-                    conn.send(("outcome", host.reset(episode_id, task_id)))
+                    conn.send(("outcome", _sendable(host, host.reset(episode_id, task_id))))
             elif command == "step":
                 for episode_id, action in payload:
-                    conn.send(("outcome", host.step(episode_id, action)))
+                    conn.send(("outcome", _sendable(host, host.step(episode_id, action))))
             elif command == "close":
                 for episode_id in payload:
                     host.close_episode(episode_id)

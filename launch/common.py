@@ -1,13 +1,72 @@
-"""Shared launcher plumbing: clear one-line errors instead of tracebacks for user mistakes."""
+"""Shared launcher plumbing: one-line errors instead of tracebacks for user mistakes, and quiet logs.
+
+Every launcher runs through :func:`run`: flag and config mistakes (an unknown ``--config.*`` key, a bad value, a
+missing or broken config file, a missing required flag) and ``AgentGymError`` s print ``error: <message>`` and
+exit with status 2. Logs show warnings and errors by default; ``--verbosity=0`` brings back INFO lines (e.g.
+orbax's per-save messages), ``--verbosity=1`` debug lines.
+"""
 
 from __future__ import annotations
 
+import re
 import sys
-from typing import Callable
+from typing import Any, Callable, NoReturn, Sequence
 
-from absl import logging
+from absl import app, flags, logging
 
 from agentgym_jax.errors import AgentGymError
+
+QUIET_VERBOSITY = -1  # absl: -1 is WARNING, 0 INFO, 1 DEBUG
+
+
+def _exit_with(message: str) -> NoReturn:
+    logging.flush()
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _unknown_key_message(error: BaseException, argv: Sequence[str]) -> str:
+    text = str(error).replace("\\", "")
+    found = re.search(r"'([A-Za-z0-9_]+)'", text)
+    key = found.group(1) if found else text
+    hint = re.search(r'Did you mean "[^"]+" instead of "[^"]+"\?', text)
+    flag = next((arg.split("=", 1)[0] for arg in argv if arg.startswith("--config.") and key in arg), "--config.*")
+    return f"{flag}: the config has no key {key!r}." + (f" {hint.group(0)}" if hint else "")
+
+
+def _check_config_files() -> None:
+    """Loads every config-file flag now, so that a missing or broken file is reported as such."""
+    from ml_collections.config_flags.config_flags import is_config_flag
+
+    for name in list(flags.FLAGS):
+        flag = flags.FLAGS[name]
+        if not is_config_flag(flag) or not flag.present:
+            continue
+        try:
+            list(flag.value.keys())  # a config that failed to load raises its deferred error here
+        except (OSError, SyntaxError, ImportError, AttributeError, TypeError, ValueError) as error:
+            detail = str(error)
+            missing = re.search(r"\[Errno 2\][^\n]*", detail)
+            reason = missing.group(0) if missing else detail.strip().splitlines()[-1]
+            _exit_with(f"--{name}: cannot load the config file ({reason}); pass a file such as configs/cpu_demo.py")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing with one-line errors (passed to ``app.run`` as ``flags_parser``)."""
+    try:
+        remaining = flags.FLAGS(argv)
+    except flags.Error as error:
+        _exit_with(f"{error} (see --helpshort)")
+    except (AttributeError, KeyError) as error:  # ml_collections: an unknown --config.<key>
+        _exit_with(_unknown_key_message(error, argv))
+    except SyntaxError as error:  # in a config file; other exceptions raised by its code keep their traceback
+        _exit_with(f"config file {error.filename} line {error.lineno}: {error.msg}")
+    except (TypeError, ValueError) as error:
+        _exit_with(f"bad flag value: {error}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(QUIET_VERBOSITY)
+    _check_config_files()
+    return remaining
 
 
 def run_main(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
@@ -17,8 +76,11 @@ def run_main(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
         try:
             main(argv)
         except AgentGymError as error:
-            logging.flush()
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+            _exit_with(str(error))
 
     return wrapped
+
+
+def run(main: Callable[[list[str]], Any]) -> None:
+    """``app.run`` with quiet logs by default and one-line flag errors."""
+    app.run(main, flags_parser=parse_flags)

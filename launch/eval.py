@@ -14,7 +14,7 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from launch.common import run, run_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Orbax checkpoint directory or Hugging Face directory.")
@@ -45,6 +45,10 @@ def main(argv: list[str]) -> None:
     try:
         if not is_hf and not trainer.maybe_resume():
             raise CheckpointError(f"no checkpoint found in {checkpoint}")
+        if not is_hf:
+            skipped = trainer.checkpointer.skipped
+            print(f"evaluating checkpoint step {trainer.step}" + (
+                f" (newer checkpoints {skipped} could not be restored and were skipped)" if skipped else ""))
         tasks = trainer.test_tasks if _SPLIT.value == "test" else trainer.validation_tasks
         summary, trajectories = trainer.evaluate(tasks, k=_K.value, greedy=_GREEDY.value, desc=f"{_SPLIT.value} eval")
         _write_eval(out / "eval", summary, trajectories)
@@ -56,4 +60,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "checkpoint"])
-    app.run(main)
+    run(main)

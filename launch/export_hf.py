@@ -8,16 +8,19 @@ safetensors, tokenizer and chat template).
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from launch.common import run, run_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The run's orbax checkpoint directory.")
-_OUT = flags.DEFINE_string("out", None, "Output Hugging Face directory.")
+_OUT = flags.DEFINE_string("out", None, "Output Hugging Face directory: new or empty (or an earlier export, with "
+                           "--overwrite); the base model's directory is refused.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an earlier export of this tool in --out.")
 
 
 @run_main
@@ -34,15 +37,18 @@ def main(argv: list[str]) -> None:
         config.train.tensorboard = False
         config.env.num_workers = 0
     out = Path(_OUT.value)
-    trainer = Trainer(config, workdir=out.parent / f".{out.name}.export-run", checkpoint_dir=checkpoint)
-    try:
-        if not trainer.maybe_resume():
-            raise CheckpointError(f"no checkpoint found in {checkpoint}")
-        print(f"exported step {trainer.step} to {trainer.export(out)}")
-    finally:
-        trainer.close()
+    with tempfile.TemporaryDirectory(prefix="agentgym-export-") as scratch:  # the Trainer's logs; removed after
+        trainer = Trainer(config, workdir=scratch, checkpoint_dir=checkpoint)
+        try:
+            if not trainer.maybe_resume():
+                raise CheckpointError(f"no checkpoint found in {checkpoint}")
+            skipped = trainer.checkpointer.skipped
+            note = f" (newer checkpoints {skipped} could not be restored)" if skipped else ""
+            print(f"exported step {trainer.step}{note} to {trainer.export(out, overwrite=_OVERWRITE.value)}")
+        finally:
+            trainer.close()
 
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "checkpoint", "out"])
-    app.run(main)
+    run(main)

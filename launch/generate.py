@@ -21,6 +21,8 @@ from typing import Any
 
 from absl import app, flags
 
+from launch.common import run
+
 _MODEL = flags.DEFINE_string("model", "", "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct).")
 _PROMPT = flags.DEFINE_string("prompt", None, "One user message.")
 _SYSTEM = flags.DEFINE_string("system", None, "Optional system message placed before --prompt.")
@@ -104,8 +106,12 @@ def generate_reply(
     chat = load_chat_tokenizer(model_path)
     prompt = chat.render(messages, add_generation_prompt=True).ids.tolist()
     model = hf.load_model(model_path, param_dtype=dtype, dtype=dtype)
+    context = model.config.max_position_embeddings
+    if len(prompt) + max_new_tokens > context:
+        raise GenerateError(f"the prompt ({len(prompt)} tokens) plus --max_new_tokens={max_new_tokens} exceeds the "
+                            f"model's context of {context} tokens; shorten the conversation or lower --max_new_tokens")
     config = SamplerConfig(
-        cache_length=bucket(len(prompt) + max_new_tokens, SamplerConfig.token_buckets),
+        cache_length=bucket(len(prompt) + max_new_tokens, SamplerConfig.token_buckets, "prompt + --max_new_tokens"),
         stop_token_ids=chat.stop_token_ids,
     )
     sampler = Sampler(model, config)
@@ -139,4 +145,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

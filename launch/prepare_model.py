@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
+from launch.common import run
+
 from agentgym_jax.default_model import prepare_default_model
 
 _FORCE = flags.DEFINE_bool("force", False, "Convert again even if the directory is already complete.")
@@ -22,4 +24,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

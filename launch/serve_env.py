@@ -13,6 +13,8 @@ import json
 
 from absl import app, flags
 
+from launch.common import run
+
 from environments.agentgym_http import build_app
 from environments.base import registered_environments
 
@@ -49,4 +51,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

@@ -4,6 +4,9 @@
     python -m launch.train --config=configs/babyai_grpo.py:scaling --config.model.path=/models/Qwen2.5-7B-Instruct
     python -m launch.train --config=configs/textcraft_grpo.py --config.algo.advantage_estimator=rloo --resume
 
+A run directory holds one run: a second start in it is refused unless ``--resume`` (continue it, same config) or
+``--overwrite`` (delete that run's files first). Logs show warnings only; ``--verbosity=0`` shows INFO lines.
+
 Any config value can be overridden with ``--config.<section>.<key>=<value>``; unknown keys and bad values fail
 before anything is loaded or compiled.
 """
@@ -15,12 +18,14 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch.common import run_main
+from launch.common import run, run_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/<name>.py[:variant]).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: config.train.workdir).")
-_RESUME = flags.DEFINE_bool("resume", False, "Continue from the newest readable checkpoint in the workdir.")
+_RESUME = flags.DEFINE_bool("resume", False, "Continue the run in the workdir from its newest readable checkpoint.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Delete the files of the run already in the workdir and start "
+                               "afresh (without it, a used workdir is refused).")
 
 
 @run_main
@@ -28,7 +33,7 @@ def main(argv: list[str]) -> None:
     del argv
     from agentgym_jax.trainer import train_and_evaluate
 
-    report = train_and_evaluate(_CONFIG.value, _WORKDIR.value, resume=_RESUME.value)
+    report = train_and_evaluate(_CONFIG.value, _WORKDIR.value, resume=_RESUME.value, overwrite=_OVERWRITE.value)
     lines = [f"run directory: {report['workdir']}"]
     for name in ("before", "after"):
         if f"success_{name}" in report:
@@ -44,4 +49,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    run(main)

@@ -43,6 +43,8 @@ class FaultyEnv(Environment):
             time.sleep(600)
         if action_text == "raise":
             raise ValueError("boom from the env")
+        if action_text == "unpicklable":
+            return StepResult("fine", 0.0, False, {"pid": os.getpid(), "handle": lambda: None})
         if action_text.startswith("sleep "):
             time.sleep(float(action_text.split()[1]))
         return StepResult(f"echo {action_text}", float(self.turns >= 3), self.turns >= 3, {"pid": os.getpid()})
@@ -97,6 +99,16 @@ def test_env_exception_fails_only_that_episode(num_workers: int) -> None:
         again = pool.step({a.episode_id: "hello", b.episode_id: "hello"})
         assert "ValueError" in again[a.episode_id].error  # a failed episode stays failed
         assert again[b.episode_id].error is None
+        assert pool.replacements == 0
+
+
+def test_unpicklable_info_fails_that_episode_and_keeps_the_worker() -> None:
+    with _pool(1) as pool:
+        a, b = pool.reset([0, 1])  # both on the one worker
+        outs = pool.step({a.episode_id: "unpicklable", b.episode_id: "hello"})
+        assert outs[a.episode_id].done and "info keys ['handle']" in outs[a.episode_id].error
+        assert outs[b.episode_id].error is None and outs[b.episode_id].observation == "echo hello"
+        assert pool.step({b.episode_id: "again"})[b.episode_id].error is None
         assert pool.replacements == 0
 
 
