@@ -303,13 +303,14 @@ class EnvPool:
         if self._host is not None:
             return self._host.describe(split)
         index = 0
-        results = self._run({index: ("describe", split)})
-        kind, value = results[index][0]
-        if kind == "failure":
-            raise PoolError(f"worker could not describe {self.env_name!r}: {value}")
-        if kind == "lost":
-            raise PoolError(f"worker died while describing {self.env_name!r}: {value}")
-        return value
+        for attempt in range(2):  # a description is read-only, so a worker lost meanwhile is replaced and asked again
+            results = self._run({index: ("describe", split)})
+            kind, value = results[index][0]
+            if kind == "failure":
+                raise PoolError(f"worker could not describe {self.env_name!r}: {value}")
+            if kind != "lost":
+                return value
+        raise PoolError(f"worker died twice while describing {self.env_name!r}: {value}")
 
     @property
     def instruction(self) -> str:

@@ -10,9 +10,8 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from launch.common import run
-
 from agentgym_jax.default_model import prepare_default_model
+from launch.common import run
 
 _FORCE = flags.DEFINE_bool("force", False, "Convert again even if the directory is already complete.")
 

@@ -13,10 +13,9 @@ import json
 
 from absl import app, flags
 
-from launch.common import run
-
 from environments.agentgym_http import build_app
 from environments.base import registered_environments
+from launch.common import run
 
 FLAGS = flags.DEFINE_string("env", None, "registered environment to serve, e.g. textcraft, babyai, sciworld")
 HOST = flags.DEFINE_string("host", "127.0.0.1", "interface to bind (0.0.0.0 to serve other machines)")

@@ -143,3 +143,18 @@ def test_bare_actions_flag_serves_original_style_clients() -> None:
         requests.post(url + "/reset", json={"id": env_id, "data_idx": 0}, timeout=5)
         answer = requests.post(url + "/step", json={"id": env_id, "action": "get 1 acacia logs"}, timeout=5).json()
         assert answer["observation"] == "Got 1 acacia logs" and answer["done"] is False
+
+
+def test_a_restarted_server_does_not_reuse_an_old_clients_id() -> None:
+    from environments.agentgym_http import EnvServer
+
+    first = EnvServer("textcraft", TextCraft)
+    old_id = first.create()["id"]
+    first.reset(old_id, 0)
+    restarted = EnvServer("textcraft", TextCraft)  # a new process starts a new server object
+    new_ids = [restarted.create()["id"] for _ in range(3)]
+    assert old_id not in new_ids and len(set(new_ids)) == 3
+    with pytest.raises(LookupError, match=f"The id {old_id} is not valid"):
+        restarted.step(old_id, "inventory")
+    first.close_all()
+    restarted.close_all()

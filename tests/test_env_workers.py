@@ -112,6 +112,13 @@ def test_unpicklable_info_fails_that_episode_and_keeps_the_worker() -> None:
         assert pool.replacements == 0
 
 
+def test_describing_survives_a_worker_killed_before_the_call() -> None:
+    with _pool(1) as pool:
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        time.sleep(0.2)
+        assert [t.task_id for t in pool.tasks("train")] == [0, 1] and pool.replacements == 1
+
+
 def test_crashing_worker_is_replaced_and_its_episodes_fail() -> None:
     with _pool(2) as pool:
         starts = pool.reset([0, 0, 1, 1])
