@@ -229,6 +229,9 @@ def export_model(
                 if source.is_file():
                     shutil.copyfile(source, staging / name)
         (staging / EXPORT_MARKER).write_text(json.dumps({"written_by": "agentgym_jax"}) + "\n")
+        mask = os.umask(0)
+        os.umask(mask)
+        staging.chmod(0o777 & ~mask)  # mkdtemp makes 0700; give the directory the usual permissions
         if out.exists():  # an earlier export of ours, replaced as a whole
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
             out.rename(retired / out.name)
