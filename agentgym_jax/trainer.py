@@ -220,6 +220,7 @@ class Trainer:
             "rollout/generated_tokens_per_s": generated / max(stats.sampling_s, 1e-9),
             "rollout/env_steps_per_s": stats.env_steps / max(stats.env_s, 1e-9),
             "sampler/compilations": self.sampler.compilations - self._compilations_before,
+            "memory/peak_rss_gb": peak_rss_gb()["peak_rss_gb"],
         })
         count = self.config.train.sample_log_count
         self.logger.write_samples(step, [_readable(t) for t in trajectories[:count]])
