@@ -3,7 +3,8 @@
 Every launcher runs through :func:`run`: flag and config mistakes (an unknown ``--config.*`` key, a bad value, a
 missing or broken config file, a missing required flag) and ``AgentGymError`` s print ``error: <message>`` and
 exit with status 2. Logs show warnings and errors by default; ``--verbosity=0`` brings back INFO lines (e.g.
-orbax's per-save messages), ``--verbosity=1`` debug lines.
+orbax's per-save messages), ``--verbosity=1`` debug lines. Before anything runs, glibc is told to hand large freed
+buffers back to the system (:mod:`agentgym_jax.allocator`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from absl import app, flags, logging
 
+from agentgym_jax.allocator import limit_allocator_retention
 from agentgym_jax.errors import AgentGymError
 
 QUIET_VERBOSITY = -1  # absl: -1 is WARNING, 0 INFO, 1 DEBUG
@@ -82,5 +84,6 @@ def run_main(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
 
 
 def run(main: Callable[[list[str]], Any]) -> None:
-    """``app.run`` with quiet logs by default and one-line flag errors."""
+    """``app.run`` with quiet logs by default, one-line flag errors and bounded allocator retention."""
+    limit_allocator_retention()
     app.run(main, flags_parser=parse_flags)
