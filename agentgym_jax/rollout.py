@@ -99,10 +99,11 @@ class RolloutStats:
 
 
 def _success(outcome: Any) -> bool:
+    """The env's own verdict (``info["success"]``); an env that gives none passes only with the full reward."""
     info = outcome.info or {}
     if "success" in info:
         return bool(info["success"])
-    return outcome.reward > 0
+    return outcome.reward >= 1.0
 
 
 def run_rollout(

@@ -28,6 +28,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.env = dict(
         name="babyai", kwargs=ml_collections.ConfigDict(), num_workers=2, step_timeout_s=120.0,
         train_subtasks=(), test_subtasks=(), import_modules=(),
+        remote="", remote_profile="",  # an env server's URL: play it instead of env.name (environments/remote.py)
     )
     c.data = dict(tasks_per_step=16, samples_per_task=8, validation_tasks=32, test_tasks=0, train_task_limit=0,
                   dynamic_sampling=False, dynamic_max_rounds=3, dynamic_oversample=1.5)

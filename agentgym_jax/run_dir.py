@@ -3,9 +3,9 @@
 ``launch.train`` claims its ``--workdir`` before anything is loaded. A directory is either
 
 * new or holding no run artifacts: the run is recorded in ``run.json`` (config, code version, start time);
-* holding a run: ``--resume`` continues it if the config matches (``train.*`` and ``eval.*`` may change, e.g.
-  more steps; the rest must be equal), ``--overwrite`` deletes the artifacts recorded runs created and starts
-  afresh, and anything else is refused with what to do.
+* holding a run: ``--resume`` continues it if the config matches (``train.*``, ``eval.*`` and where the env
+  runs, ``env.remote``/workers/timeout, may change, e.g. more steps; the rest must be equal), ``--overwrite``
+  deletes the artifacts recorded runs created and starts afresh, and anything else is refused with what to do.
 
 Files are written atomically (a temporary sibling, then a rename), so a kill leaves the old or the new version.
 """
@@ -33,7 +33,7 @@ RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "trajectories.jsonl", "tensorbo
 # Sections a resumed run may change: when to stop, log and evaluate, not what is learned.
 RESUMABLE_CHANGES = ("train.steps", "train.progress_bars", "train.tensorboard", "train.report_path",
                      "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.export_final",
-                     "train.workdir", "eval.")
+                     "train.workdir", "eval.", "env.remote", "env.num_workers", "env.step_timeout_s")
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -90,8 +90,17 @@ class Trainer:
         self.signal_monitor = SignalMonitor()
         from environments.workers import EnvPool
 
+        env_name, env_kwargs = config.env.name, dict(config.env.kwargs)
+        if config.env.remote:
+            from environments.remote import RemoteConfigError, remote_env_spec
+
+            try:
+                env_name, env_kwargs = remote_env_spec(config.env.remote, config.env.name,
+                                                       config.env.remote_profile, env_kwargs)
+            except RemoteConfigError as error:
+                raise ConfigError(str(error)) from None
         self.pool = EnvPool(
-            config.env.name, dict(config.env.kwargs), num_workers=config.env.num_workers,
+            env_name, env_kwargs, num_workers=config.env.num_workers,
             step_timeout_s=config.env.step_timeout_s, import_modules=tuple(config.env.import_modules),
         )
         self._split_tasks()
@@ -272,6 +281,8 @@ class Trainer:
         rollout = self.config.rollout
         return {
             "env": self.config.env.name, "env_kwargs": dict(self.config.env.kwargs),
+            **({"env_server": self.pool.env_kwargs.get("base_url"), "env_profile": self.pool.env_kwargs.get("profile")}
+               if self.config.env.remote else {}),
             "response_prefix": rollout.response_prefix, "stop_at_newline": bool(rollout.stop_at_newline),
             "greedy": bool(greedy), "temperature": 0.0 if greedy else float(rollout.temperature),
             "top_p": float(rollout.top_p), "top_k": int(rollout.top_k), "horizon": int(horizon),

@@ -1,4 +1,5 @@
-"""Environment throughput: env steps/s in-process, through EnvPool with 1/2/4 workers, and over HTTP.
+"""Environment throughput: env steps/s in-process, through EnvPool with 1/2/4 workers, over HTTP (one client,
+one server), and through a pool of HTTP clients spread over a fleet of 1 and 3 local servers.
 
     python -m benchmarks.envs                       # all registered envs, writes benchmarks/results/envs.json
     python -m benchmarks.envs --envs=textcraft --steps=300 --repeats=3
@@ -36,7 +37,8 @@ EPISODES_PER_WORKER = {"sciworld": 1}  # default 2; every SciWorld episode holds
 ENV_KWARGS: dict[str, dict[str, Any]] = {"sciworld": {"generate_gold_path": True}}
 PADDING = {"textcraft": "inventory", "sciworld": "look around", "babyai": "turn left"}
 BABYAI_CYCLE = ["turn left", "move forward", "turn right", "move forward"]
-RESET_ON_DONE = {"babyai"}  # the others accept steps after the goal, so an episode just goes on
+RESET_ON_DONE = {"babyai"}
+FLEET_WORKERS, FLEET_EPISODES_PER_WORKER = 2, 3  # 6 episodes per batch over 1 or 3 servers  # the others accept steps after the goal, so an episode just goes on
 
 
 def _turns(env_name: str, info: dict[str, Any], goal_book: Environment | None, length: int) -> list[str]:
@@ -117,26 +119,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _with_server(env_name: str, run: Callable[[str], Any]) -> Any:
-    port = _free_port()
+def _with_servers(env_name: str, count: int, run: Callable[[list[str]], Any]) -> Any:
+    """Starts ``count`` of our env servers on loopback, runs ``run(urls)``, stops them."""
     kwargs = json.dumps(ENV_KWARGS.get(env_name, {}))
-    process = subprocess.Popen(
+    ports = [_free_port() for _ in range(count)]
+    processes = [subprocess.Popen(
         [sys.executable, "-m", "launch.serve_env", f"--env={env_name}", f"--port={port}", f"--env_kwargs={kwargs}"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    url = f"http://127.0.0.1:{port}"
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    ) for port in ports]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
     try:
-        for _ in range(600):
-            try:
-                if requests.get(url + "/", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.1)
-        return run(url)
+        for url in urls:
+            for _ in range(600):
+                try:
+                    if requests.get(url + "/", timeout=1).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    time.sleep(0.1)
+        return run(urls)
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
 
 
 def bench_env(env_name: str, steps: int, repeats: int, workers: list[int]) -> dict[str, Any]:
@@ -164,14 +168,26 @@ def bench_env(env_name: str, steps: int, repeats: int, workers: list[int]) -> di
             rates = [_pooled(pool, env_name, task_ids, episodes, batches, helper) for _ in range(repeats)]
         result["pool"][str(count)] = {"steps_per_s": _median(rates), "episodes_per_batch": episodes}
 
-    def over_http(url: str) -> dict[str, Any]:
-        client = AgentGymHTTPEnv(base_url=url, env_name=env_name)
+    def over_http(urls: list[str]) -> dict[str, Any]:
+        client = AgentGymHTTPEnv(base_url=urls[0], env_name=env_name)
         client.reset(task_ids[0])
         rate = _median([_sequential(client, env_name, task_ids, steps, helper) for _ in range(repeats)])
         client.close()
         return {"steps_per_s": rate, "clients": 1}
 
-    result["http"] = _with_server(env_name, over_http)
+    def over_fleet(urls: list[str]) -> dict[str, Any]:
+        episodes = FLEET_WORKERS * FLEET_EPISODES_PER_WORKER
+        kwargs = {"base_url": ",".join(urls), "env_name": env_name}
+        with EnvPool("agentgym_http", kwargs, num_workers=FLEET_WORKERS, step_timeout_s=120) as pool:
+            pool.reset([task_ids[0]] * episodes)  # warm: every worker, client and server-side env
+            pool.close_episodes(pool.open_episodes)
+            batches = max(5, steps // episodes)
+            rates = [_pooled(pool, env_name, task_ids, episodes, batches, helper) for _ in range(repeats)]
+        return {"steps_per_s": _median(rates), "servers": len(urls), "env_workers": FLEET_WORKERS,
+                "episodes_per_batch": episodes}
+
+    result["http"] = _with_servers(env_name, 1, over_http)
+    result["http_fleet"] = {str(n): _with_servers(env_name, n, over_fleet) for n in (1, 3)}
     return result
 
 

@@ -40,7 +40,7 @@ def get_config(variant: str = ""):
     c = base_config()
     c.env.name = "babyai"
     c.env.kwargs = dict(action_matching="closest", instruction_style="brief", num_test_seeds=10,
-                        num_train_seeds=100)
+                        num_train_seeds=100, levels=())  # levels: () keeps all; the GoTo subtask selects the family
     c.env.num_workers = 1
     c.env.train_subtasks = ("GoTo",)
     c.env.test_subtasks = ("GoTo",)

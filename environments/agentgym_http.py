@@ -1,36 +1,21 @@
-"""The AgentGym env-server protocol: a server for any of our environments, and a client for any server.
+"""The AgentGym env-server protocol, client side: play any AgentGym env server as an environment.
 
-Server (FastAPI; run with ``python -m launch.serve_env --env=textcraft --port=36001``). Same routes and
-JSON shapes as the original AgentGym servers, which is what their clients index:
-
-    GET  /                       -> "This is environment <name>."
-    POST /create   {}            -> {"id": int}
-    POST /reset    {"id", "data_idx"} -> {"id", "observation", "reward", "score", "done", "deleted", "info"}
-    POST /step     {"id", "action"}   -> {"observation", "reward", "score", "done", "info"}
-    GET  /observation?id=        -> the last observation (a bare JSON string)
-    POST /close    {"id"}        -> true / false
-    GET  /instruction, GET /tasks?split=  (ours, so a client needs nothing else)
-
-As in the original, application errors (unknown id, step before reset, bad task id) are HTTP 200 with
-``{"error": "..."}``; malformed requests are 422 with FastAPI's ``{"detail": [...]}``.
-
-Client: :class:`AgentGymHTTPEnv`, registered as ``"agentgym_http"``, speaks this protocol to our server
-or to an original AgentGym server (``id`` dialect: BabyAI, TextCraft, SciWorld, ...; ``env_idx``
-dialect: SearchQA, WebArena). Idempotent calls are retried with exponential back-off; ``/step`` is
-retried only when the connection could not be made (a step that may have run is never sent twice).
+:class:`AgentGymHTTPEnv`, registered as ``"agentgym_http"``, speaks the protocol (routes in
+:mod:`environments.agentgym_server`) to our server or to an original AgentGym server through a server profile
+(:mod:`environments.server_profiles`: action extraction, reward reading, dialect), over one server or a fleet
+(:mod:`environments.fleet`). Idempotent calls are retried with exponential back-off; ``/create`` and ``/step``
+only when the connection could not be made (a call that may have run is never sent twice).
 """
 
 
-import itertools
-import json
-import secrets
-import threading
 import time
 from typing import Any, Callable, Sequence
 
 import requests
 import urllib3
 
+from environments import server_profiles
+from environments.fleet import FleetExhaustedError, parse_urls, shared_fleet
 from environments.base import EnvError, Environment, StepResult, Task, check_split, make_env, register
 
 
@@ -48,199 +33,6 @@ class AgentGymProtocolError(AgentGymHTTPError):
 
 class AgentGymUnavailableError(AgentGymHTTPError):
     """The server could not be reached or did not answer in time, after all retries."""
-
-
-# -- server -------------------------------------------------------------------------------------------
-
-
-def _jsonable(value: Any) -> Any:
-    """``value`` if JSON can carry it, else its ``repr`` (env info dicts may hold arbitrary objects)."""
-    try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        if isinstance(value, dict):
-            return {str(k): _jsonable(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [_jsonable(v) for v in value]
-        return repr(value)
-
-
-class _Slot:
-    """One environment instance behind the server, with its own lock and last answer."""
-
-    def __init__(self, env: Environment) -> None:
-        self.env = env
-        self.lock = threading.Lock()
-        self.observation = "Environment not initialized; call /reset first"
-        self.started = False
-
-
-class EnvServer:
-    """The state behind the HTTP routes: id -> environment instance."""
-
-    def __init__(self, env_name: str, env_factory: Callable[[], Environment], bare_actions: bool = False) -> None:
-        self.env_name = env_name
-        self.bare_actions = bare_actions
-        self._factory = env_factory
-        self._slots: dict[int, _Slot] = {}
-        # Ids start at a random offset, so after a server restart an old client's id names no environment
-        # (and gets "not valid") instead of silently driving another client's episode.
-        self._ids = itertools.count(secrets.randbelow(2**40) * 1024)
-        self._lock = threading.Lock()
-        self._describer: Environment | None = None
-
-    def _slot(self, env_id: int) -> _Slot:
-        slot = self._slots.get(env_id)
-        if slot is None:
-            raise LookupError(f"The id {env_id} is not valid.")
-        return slot
-
-    def create(self) -> dict[str, Any]:
-        env = self._factory()
-        with self._lock:
-            env_id = next(self._ids)
-            self._slots[env_id] = _Slot(env)
-        return {"id": env_id}
-
-    def reset(self, env_id: int, data_idx: int) -> dict[str, Any]:
-        slot = self._slot(env_id)
-        with slot.lock:
-            observation, info = slot.env.reset(data_idx)
-            slot.observation, slot.started = observation, True
-        return {
-            "id": env_id,
-            "observation": observation,
-            "reward": 0.0,
-            "score": 0.0,
-            "done": False,
-            "deleted": False,
-            "info": _jsonable(info),
-        }
-
-    def step(self, env_id: int, action: str) -> dict[str, Any]:
-        slot = self._slot(env_id)
-        with slot.lock:
-            if not slot.started:
-                raise LookupError(f"The environment {env_id} has not been reset; call /reset first.")
-            result = slot.env.step(f"Action:\n{action}" if self.bare_actions else action)
-            slot.observation = result.observation
-        return {
-            "observation": result.observation,
-            "reward": result.reward,
-            "score": result.reward,
-            "done": result.done,
-            "info": _jsonable(result.info),
-        }
-
-    def observation(self, env_id: int) -> str:
-        return self._slot(env_id).observation
-
-    def close(self, env_id: int) -> bool:
-        with self._lock:
-            slot = self._slots.pop(env_id, None)
-        if slot is None:
-            return False
-        with slot.lock:
-            slot.env.close()
-        return True
-
-    def describe(self) -> Environment:
-        with self._lock:
-            if self._describer is None:
-                self._describer = self._factory()
-            return self._describer
-
-    def close_all(self) -> None:
-        with self._lock:
-            slots, self._slots = list(self._slots.values()), {}
-            describer, self._describer = self._describer, None
-        for env in [s.env for s in slots] + ([describer] if describer else []):
-            env.close()
-
-
-def build_app(env_name: str, env_kwargs: dict[str, Any] | None = None, bare_actions: bool = False) -> Any:
-    """A FastAPI app serving ``env_name`` (built with ``env_kwargs``) over the AgentGym protocol.
-
-    Our client sends the agent's whole turn and the environment parses it. The original AgentGym
-    clients parse the action themselves and send only it; with ``bare_actions=True`` the server puts
-    ``Action:`` in front of each action so that our parsers accept what those clients send.
-    """
-    import contextlib
-
-    import fastapi
-    import pydantic
-
-    make_env(env_name, **(env_kwargs or {})).close()  # fail now, with the registry's message, if unknown
-    server = EnvServer(env_name, lambda: make_env(env_name, **(env_kwargs or {})), bare_actions)
-
-    class CreateBody(pydantic.BaseModel):
-        model_config = pydantic.ConfigDict(extra="ignore")  # the original clients send extra keys
-
-    class ResetBody(pydantic.BaseModel):
-        id: int
-        data_idx: int = 0
-
-    class StepBody(pydantic.BaseModel):
-        id: int
-        action: str
-
-    class CloseBody(pydantic.BaseModel):
-        id: int
-
-    def guarded(call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except LookupError as error:
-            return {"error": str(error.args[0]) if error.args else str(error)}
-        except Exception as error:  # noqa: BLE001 - reported as the original does: HTTP 200 + "error"
-            return {"error": f"{type(error).__name__}: {error}"}
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any):  # noqa: ANN202
-        yield
-        server.close_all()
-
-    app = fastapi.FastAPI(title=f"agentgym-jax {env_name} env server", lifespan=lifespan)
-    app.state.env_server = server
-
-    @app.get("/")
-    def hello() -> str:
-        return f"This is environment {env_name}."
-
-    @app.post("/create")
-    def create(body: CreateBody | None = None) -> Any:
-        return guarded(server.create)
-
-    @app.post("/reset")
-    def reset(body: ResetBody) -> Any:
-        return guarded(lambda: server.reset(body.id, body.data_idx))
-
-    @app.post("/step")
-    def step(body: StepBody) -> Any:
-        return guarded(lambda: server.step(body.id, body.action))
-
-    @app.get("/observation")
-    def observation(id: int) -> Any:  # noqa: A002 - the protocol's name
-        return guarded(lambda: server.observation(id))
-
-    @app.post("/close")
-    def close(body: CloseBody) -> Any:
-        return guarded(lambda: server.close(body.id))
-
-    @app.get("/instruction")
-    def instruction() -> Any:
-        return guarded(lambda: server.describe().instruction())
-
-    @app.get("/tasks")
-    def tasks(split: str) -> Any:
-        return guarded(
-            lambda: [
-                {"task_id": t.task_id, "split": t.split, "subtask": t.subtask} for t in server.describe().tasks(split)
-            ]
-        )
-
-    return app
 
 
 # -- client -------------------------------------------------------------------------------------------
@@ -263,43 +55,62 @@ _DIALECTS = {
 
 @register("agentgym_http")
 class AgentGymHTTPEnv(Environment):
-    """An environment played through an AgentGym env server (ours or an original one)."""
+    """An environment played through an AgentGym env server (ours or an original one).
+
+    ``profile`` (:mod:`environments.server_profiles`) says how: ``agentgym-jax`` for our server (the default;
+    whole turns, its own instruction, task lists and success), or ``babyai``, ``textcraft``, ``sciworld``,
+    ``searchqa``, ``webarena`` for the original servers (the action extracted as their clients do, the
+    reward read on their scale into [0, 1], instruction and task lists from our env with the same id space,
+    built with ``local_env_kwargs``).
+    The agent's raw turn stays in the trajectory; ``info["action_sent"]`` shows what went to the server.
+    """
 
     name = "agentgym_http"
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
+        profile: str = "agentgym-jax",
         env_name: str = "",
-        dialect: str = "id",
+        dialect: str | None = None,
         timeout_s: float = 60.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
         instruction: str | None = None,
         tasks_by_split: dict[str, Sequence[Task]] | None = None,
-        reward_scale: float = 1.0,
         session: requests.Session | None = None,
+        local_env_kwargs: dict[str, Any] | None = None,
+        max_episodes_per_server: int = 0,
+        retry_after_s: float = 30.0,
     ) -> None:
+        self.profile = server_profiles.get_profile(profile)
+        dialect = dialect or self.profile.dialect
         if dialect not in _DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r}; use one of {sorted(_DIALECTS)}")
         if max_retries < 0 or timeout_s <= 0:
             raise ValueError("max_retries must be >= 0 and timeout_s > 0")
-        self.base_url = base_url.rstrip("/")
-        self.env_name = env_name
+        self.urls = parse_urls(base_url)
+        self.fleet = shared_fleet(self.urls, max_episodes_per_server, retry_after_s)
+        self.base_url = self.urls[0]  # the server this instance's env lives on
+        self._holding = False  # whether this instance holds an episode slot on base_url
+        self.env_name = env_name or (self.profile.name if self.profile.local_env else "")
         self.dialect = dialect
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        self.reward_scale = reward_scale
         self._instruction = instruction
         self._tasks = dict(tasks_by_split or {})
+        self.local_env_kwargs = dict(local_env_kwargs or {})
         self._http = session or requests.Session()
         self._env_id: int | None = None
+        self._outcome = 0.0
+        self._done = False
         self.last_observation = ""
 
     # -- transport ----------------------------------------------------------------------------------
 
     def _call(self, method: str, route: str, *, payload: Any = None, params: Any = None, idempotent: bool = True) -> Any:
+        """One request; idempotent calls are retried, the others only when they never reached the server."""
         url = f"{self.base_url}/{route}"
         last_error: Exception | None = None
         for attempt in range(self.max_retries + 1):
@@ -317,10 +128,16 @@ class AgentGymHTTPEnv(Environment):
                 if not idempotent:
                     raise last_error
                 continue
+            if response.status_code == 404 and route in ("instruction", "tasks"):
+                raise AgentGymProtocolError(
+                    f"{method} {url} -> HTTP 404: this server does not serve /{route} (an original AgentGym server?); "
+                    f"use its profile (profile='babyai', 'textcraft', ...) or pass "
+                    f"{'instruction=' if route == 'instruction' else 'tasks_by_split='}"
+                )
             if response.status_code != 200:
                 raise AgentGymProtocolError(
                     f"{method} {url} -> HTTP {response.status_code}: {response.text[:300]}; "
-                    "check base_url, the env server's version and dialect= ('id' or 'env_idx')"
+                    f"check base_url, the server's version and the profile ({self.profile.name!r})"
                 )
             try:
                 body = response.json()
@@ -343,7 +160,8 @@ class AgentGymHTTPEnv(Environment):
 
     def _ensure_created(self) -> int:
         if self._env_id is None:
-            body = self._call("POST", "create", payload={})
+            # Never resent after it may have reached the server: a retried /create can leak a server-side env.
+            body = self._call("POST", "create", payload={}, idempotent=False)
             id_key = _DIALECTS[self.dialect][0]
             env_id = body if isinstance(body, int) else self._expect(body, [id_key], "create")[id_key]
             self._env_id = int(env_id)
@@ -352,45 +170,121 @@ class AgentGymHTTPEnv(Environment):
     def _with_id(self, payload: dict[str, Any]) -> dict[str, Any]:
         return {_DIALECTS[self.dialect][0]: self._ensure_created(), **payload}
 
+    def _local_env(self) -> Environment | None:
+        """Our in-process twin of an original server: the source of its instruction and task lists."""
+        return make_env(self.profile.local_env, **self.local_env_kwargs) if self.profile.local_env else None
+
     def instruction(self) -> str:
         if self._instruction is None:
-            body = self._call("GET", "instruction")
-            if not isinstance(body, str):
-                raise AgentGymProtocolError(f"/instruction answered {str(body)[:200]!r}; pass instruction=")
-            self._instruction = body
+            local = self._local_env()
+            if local is not None:
+                self._instruction = local.instruction()
+                local.close()
+            else:
+                body = self._on_any_server(lambda: self._call("GET", "instruction"))
+                if not isinstance(body, str):
+                    raise AgentGymProtocolError(f"/instruction answered {str(body)[:200]!r}; pass instruction=")
+                self._instruction = body
         return self._instruction
 
     def tasks(self, split: str) -> Sequence[Task]:
         check_split(split)
         if split not in self._tasks:
-            try:
-                rows = self._call("GET", "tasks", params={"split": split})
-            except AgentGymProtocolError as error:
-                raise AgentGymProtocolError(f"{error}; servers without /tasks need tasks_by_split=") from error
-            self._tasks[split] = [Task(int(r["task_id"]), r["split"], r["subtask"]) for r in rows]
+            local = self._local_env()
+            if local is not None:
+                self._tasks[split] = list(local.tasks(split))
+                local.close()
+            else:
+                rows = self._on_any_server(lambda: self._call("GET", "tasks", params={"split": split}))
+                self._tasks[split] = [Task(int(r["task_id"]), r["split"], r["subtask"]) for r in rows]
         return self._tasks[split]
 
+    def _on_any_server(self, call: Callable[[], Any]) -> Any:
+        """An idempotent query answered by the first server that answers (for instruction and task lists)."""
+        for url in [u for u in self.urls if self.fleet.available(u)] or self.urls:
+            self.base_url, self._env_id = (url, None) if url != self.base_url else (url, self._env_id)
+            try:
+                return call()
+            except AgentGymUnavailableError:
+                self.fleet.mark_down(url)
+                last = url
+        raise AgentGymUnavailableError(f"none of the env servers {self.urls} answered (last tried {last})")
+
+    def _release(self) -> None:
+        if self._holding:
+            self.fleet.release(self.base_url)
+            self._holding = False
+
+    def _move_to(self, url: str) -> None:
+        """Binds this instance to ``url``, closing its env on the previous server (best effort)."""
+        if url == self.base_url:
+            return
+        if self._env_id is not None and self.fleet.available(self.base_url):
+            try:
+                self._http.post(f"{self.base_url}/close", json={_DIALECTS[self.dialect][0]: self._env_id}, timeout=5)
+            except requests.RequestException:
+                pass
+        self.base_url, self._env_id = url, None
+
     def reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
-        body = self._call("POST", "reset", payload=self._with_id(_DIALECTS[self.dialect][1](task_id)))
+        """Starts ``task_id`` on the least-loaded answering server; a server that does not answer is taken out of
+        rotation and the next one is tried (nothing of the episode has happened yet)."""
+        tried: list[str] = []
+        last_error: AgentGymUnavailableError | None = None
+        while True:
+            self._release()
+            try:
+                url = self.fleet.acquire(preferred=self.base_url, exclude=tried)
+            except FleetExhaustedError as error:
+                cause = f"; last error: {last_error}" if last_error else ""
+                raise AgentGymUnavailableError(f"{error}{cause}") from None
+            self._holding = True
+            self._move_to(url)
+            try:
+                body = self._call("POST", "reset", payload=self._with_id(_DIALECTS[self.dialect][1](task_id)))
+                break
+            except AgentGymUnavailableError as error:
+                self.fleet.mark_down(url)
+                self._env_id, last_error = None, error
+                tried.append(url)
         if isinstance(body, str):  # SearchQA answers the prompt as a bare string
             observation, info = body, {}
         else:
             body = self._expect(body, ["observation"], "reset")
             observation, info = body["observation"], dict(body.get("info") or {})
         self.last_observation = observation
+        self._outcome, self._done = 0.0, False
+        info["env_server"] = self.base_url
         return observation, info
 
+    def end_episode(self) -> None:
+        self._release()
+
     def step(self, action_text: str) -> StepResult:
-        body = self._call("POST", "step", payload=self._with_id({"action": action_text}), idempotent=False)
+        extraction = self.profile.extract(action_text)
+        if extraction.action is None:  # what the original client does: answer locally, send nothing
+            info = {"action_sent": None, "success": self._outcome > 0 and self._done, "invalid_format": True}
+            return StepResult(extraction.local_observation, self._outcome, self._done, info)
+        try:
+            body = self._call("POST", "step", payload=self._with_id({"action": extraction.action}), idempotent=False)
+        except AgentGymUnavailableError as error:
+            url = self.base_url
+            self.fleet.mark_down(url)
+            self._release()
+            self._env_id = None
+            raise AgentGymUnavailableError(
+                f"env server {url} stopped answering during this episode ({error}); the episode is lost and the "
+                f"server is out of rotation for {self.fleet.retry_after_s:g} s") from None
         body = self._expect(body, ["observation"], "step")
-        if "done" in body:
-            done = bool(body["done"])
-        else:  # WebArena's gymnasium-style answer
-            done = bool(body.get("terminated")) or bool(body.get("truncated"))
-        reward = body.get("score", body.get("reward", 0.0))
+        outcome = self.profile.outcome(body, self._outcome)
+        self._outcome, self._done = outcome.score, outcome.done
         self.last_observation = body["observation"]
-        info = body.get("info") if isinstance(body.get("info"), dict) else {}
-        return StepResult(body["observation"], float(reward or 0.0) * self.reward_scale, done, dict(info))
+        info = dict(body.get("info")) if isinstance(body.get("info"), dict) else {}
+        info.update(action_sent=extraction.action, success=outcome.success, env_server=self.base_url)
+        for key in ("reward", "score"):
+            if key in body:
+                info[f"server_{key}"] = body[key]
+        return StepResult(body["observation"], outcome.score, outcome.done, info)
 
     def observation(self) -> str:
         """The server's current observation of this episode (``GET /observation``)."""
@@ -399,7 +293,9 @@ class AgentGymHTTPEnv(Environment):
         return body if isinstance(body, str) else self._expect(body, ["observation"], "observation")["observation"]
 
     def close(self) -> None:
-        if self._env_id is None:
+        self._release()
+        if self._env_id is None or not self.fleet.available(self.base_url):
+            self._env_id = None
             return
         env_id, self._env_id = self._env_id, None
         try:

@@ -47,7 +47,7 @@ class StepResult:
     observation: str
     reward: float  # the episode's current outcome score (not a per-step increment), in [0, 1]
     done: bool
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)  # "success": the env's own pass verdict
 
 
 class Environment(abc.ABC):
@@ -71,12 +71,11 @@ class Environment(abc.ABC):
     def step(self, action_text: str) -> StepResult:
         """Applies the agent's raw turn text (the environment parses the action out of it)."""
 
+    def end_episode(self) -> None:
+        """Called when the current episode is over and the instance waits for its next ``reset``."""
+
     def close(self) -> None:
         """Releases external resources (JVMs, browsers). Safe to call twice."""
-
-    def success(self, reward: float) -> bool:
-        """Whether a final reward counts as a success for Pass@k (default: reward > 0)."""
-        return reward > 0
 
 
 _REGISTRY: dict[str, Callable[..., Environment]] = {}

@@ -109,8 +109,14 @@ class EpisodeHost:
 
     def close_episode(self, episode_id: int) -> None:
         env = self.episodes.pop(episode_id, None)
-        if env is not None:
-            self.idle.append(env)  # reused by the next reset
+        if env is None:
+            return
+        try:
+            env.end_episode()
+        except Exception:  # noqa: BLE001 - an instance that cannot end its episode cleanly is not reused
+            self._discard(env)
+            return
+        self.idle.append(env)  # reused by the next reset
 
     def close_all(self) -> None:
         envs = list(self.episodes.values()) + self.idle + ([self._describer] if self._describer else [])

@@ -146,7 +146,7 @@ def test_bare_actions_flag_serves_original_style_clients() -> None:
 
 
 def test_a_restarted_server_does_not_reuse_an_old_clients_id() -> None:
-    from environments.agentgym_http import EnvServer
+    from environments.agentgym_server import EnvServer
 
     first = EnvServer("textcraft", TextCraft)
     old_id = first.create()["id"]

@@ -166,7 +166,8 @@ class SciWorld(Environment):
         moves = int(env.server.getNumMoves())
         self._done = self._done or bool(env.server.getCompleted()) or score < 0 or moves > self.step_limit
         self._last_observation = observation
-        info = {"score": score, "moves": moves, "action": action, "action_valid": action is not None}
+        info = {"score": score, "moves": moves, "action": action, "action_valid": action is not None,
+                "success": score >= 100}  # a partial score is progress, not a pass
         return StepResult(observation, max(score, 0) / 100.0, self._done, info)
 
     def close(self) -> None:

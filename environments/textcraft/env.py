@@ -134,7 +134,8 @@ class TextCraft(Environment):
         self._observation = observation
         reward = 1.0 if self._done else 0.0
         understood = action is not None and not observation.startswith(UNKNOWN_COMMAND)
-        return StepResult(observation, reward, self._done, {"action": action, "action_valid": understood})
+        return StepResult(observation, reward, self._done,
+                          {"action": action, "action_valid": understood, "success": reward >= 1.0})
 
     def execute(self, action: str) -> tuple[str, bool]:
         """Runs one sanitized command; returns the message and whether it crafted the goal."""
