@@ -1,6 +1,6 @@
 """Read a llama.cpp GGUF checkpoint as a Hugging Face config, HF-named fp32 tensors and a tokenizer.
 
-Supported architectures: ``llama`` (Llama, SmolLM2, ...) and ``qwen2`` (Qwen2, Qwen2.5). Tensors are
+Supported architectures: ``llama`` (Llama, SmolLM2, ...), ``qwen2`` (Qwen2, Qwen2.5) and ``qwen3`` (dense Qwen3). Tensors are
 dequantized one at a time (any quantization the ``gguf`` package can dequantize), so a loader can
 place each tensor into its shard before reading the next one. llama.cpp stores the query/key
 projections of ``llama`` models with their rotary halves interleaved; that permutation is undone here,
@@ -29,7 +29,8 @@ from agentgym_jax.errors import CheckpointError
 
 _MAGIC = b"GGUF"
 
-_HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -47,6 +48,9 @@ _BLOCK_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -68,7 +72,7 @@ def gguf_name_to_hf(gguf_name: str) -> str:
         return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
     raise CheckpointError(
         f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in this reader; only dense "
-        "llama/qwen2 decoders are supported. Convert the model from its Hugging Face directory instead."
+        "llama/qwen2/qwen3 decoders are supported. Convert the model from its Hugging Face directory instead."
     )
 
 
@@ -97,7 +101,7 @@ class GGUFCheckpoint:
         if self.architecture not in _HF_CLASSES:
             raise CheckpointError(
                 f"{path}: unsupported GGUF architecture {self.architecture!r}; supported: "
-                f"{sorted(_HF_CLASSES)}. Use a Hugging Face directory of a Llama or Qwen2 model."
+                f"{sorted(_HF_CLASSES)}. Use a Hugging Face directory of a Llama, Qwen2 or Qwen3 model."
             )
         self._tensors = {tensor.name: tensor for tensor in reader.tensors}
         self._hf_to_gguf = {gguf_name_to_hf(name): name for name in self._tensors}
@@ -161,6 +165,8 @@ class GGUFCheckpoint:
             config["attention_dropout"] = 0.0
             config["pretraining_tp"] = 1
         else:
+            if model_type == "qwen3":
+                config["attention_bias"] = "blk.0.attn_q.bias" in self._tensors
             config["use_sliding_window"] = False
             config["sliding_window"] = None
             config["max_window_layers"] = config["num_hidden_layers"]
@@ -237,7 +243,7 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
 
     Raises:
       CheckpointError: the path is missing, not a GGUF file, truncated or corrupt, or the architecture
-        is not ``llama``/``qwen2``.
+        is not ``llama``/``qwen2``/``qwen3``.
     """
     from gguf import GGUFReader
 

@@ -1,7 +1,7 @@
-"""The policy: one Flax NNX decoder LM for the Llama and Qwen2 families.
+"""The policy: one Flax NNX decoder LM for the Llama, Qwen2 and Qwen3 families.
 
 GQA attention with RoPE (default, linear and Llama-3 scaling), RMSNorm, SwiGLU MLP, optional QKV bias (Qwen2),
-tied or untied embeddings. Module and parameter names mirror Hugging Face's, e.g.
+optional per-head RMSNorm of queries and keys before RoPE (Qwen3), tied or untied embeddings. Module and parameter names mirror Hugging Face's, e.g.
 ``model.layers.3.self_attn.q_proj.kernel`` is the transpose of HF's ``model.layers.3.self_attn.q_proj.weight``.
 
 Two ways to run it:
@@ -26,7 +26,11 @@ from flax import nnx
 from agentgym_jax import sharding
 from agentgym_jax.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Rope parameters each rope type needs (read at load time, so a missing one is named before anything runs).
+_ROPE_KEYS = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -60,6 +64,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query/key head before RoPE
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -75,12 +80,13 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported architecture model_type={model_type!r} (architectures={hf.get('architectures')}); "
-                f"agentgym-jax implements {SUPPORTED_MODEL_TYPES} (Llama, SmolLM2, Llama-3, Qwen2, Qwen2.5)"
+                f"agentgym-jax implements {SUPPORTED_MODEL_TYPES} (Llama, SmolLM2, Llama-3.x, Qwen2, Qwen2.5, Qwen3 "
+                "dense)"
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act={hf.get('hidden_act')!r}; only 'silu' (SwiGLU) is implemented")
-        if model_type == "qwen2" and hf.get("use_sliding_window", False):
-            raise ConfigError("Qwen2 sliding-window attention is not implemented; set use_sliding_window=false")
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+            raise ConfigError(f"{model_type} sliding-window attention is not implemented; set use_sliding_window=false")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in hf]
         if missing:
@@ -92,6 +98,10 @@ class ModelConfig:
             raise ConfigError(f"unsupported rope type {rope_type!r}; implemented: {SUPPORTED_ROPE_TYPES}")
         rope["rope_type"] = rope_type
         rope.pop("type", None)
+        missing_rope = [k for k in _ROPE_KEYS.get(rope_type, ()) if k not in rope]
+        if missing_rope:
+            raise ConfigError(f"config.json: rope type {rope_type!r} needs {list(missing_rope)} in rope_scaling "
+                              f"(has {sorted(rope)}); add them from the model's original config")
         heads = int(hf["num_attention_heads"])
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
@@ -112,6 +122,7 @@ class ModelConfig:
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
@@ -137,7 +148,7 @@ class ModelConfig:
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
         hf: dict[str, Any] = dict(
             model_type=self.model_type,
-            architectures=["LlamaForCausalLM" if self.model_type == "llama" else "Qwen2ForCausalLM"],
+            architectures=[_ARCHITECTURES[self.model_type]],
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -159,6 +170,8 @@ class ModelConfig:
             hf["rope_scaling"] = rope
         if self.model_type == "llama":
             hf.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        elif self.model_type == "qwen3":
+            hf.update(attention_bias=self.qkv_bias, use_sliding_window=False)
         else:
             hf.update(use_sliding_window=False)
         return hf
@@ -176,7 +189,7 @@ class ModelConfig:
         q, kv = self.num_attention_heads * h, self.num_key_value_heads * h
         attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
         mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * d
+        layer = attn + mlp + 2 * d + (2 * h if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_hidden_layers * layer + d + head
 
@@ -299,6 +312,10 @@ class Attention(nnx.Module):
         self.k_proj = _linear(d, config.num_key_value_heads * h, config.qkv_bias, config, rngs)
         self.v_proj = _linear(d, config.num_key_value_heads * h, config.qkv_bias, config, rngs)
         self.o_proj = _linear(config.num_attention_heads * h, d, config.o_bias, config, rngs)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(h, config.rms_norm_eps, to_dtype(config.param_dtype))
+            self.k_norm = RMSNorm(h, config.rms_norm_eps, to_dtype(config.param_dtype))
+        self.qk_norm = config.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, h
 
     def __call__(
@@ -313,6 +330,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = sharding.constrain(apply_rope(q, positions, inv_freq), "heads")
         k = sharding.constrain(apply_rope(k, positions, inv_freq), "heads")
         v = sharding.constrain(v, "heads")

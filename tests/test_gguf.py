@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from agentgym_jax import default_model
 from agentgym_jax.errors import CheckpointError
@@ -47,6 +48,8 @@ _HF_TO_GGUF_BLOCK = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -70,6 +73,9 @@ def _write_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarr
     writer.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
     writer.add_uint32(f"{arch}.attention.head_count", config["num_attention_heads"])
     writer.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", head_dim)
     writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     writer.add_uint32("tokenizer.ggml.eos_token_id", 3)
@@ -89,6 +95,8 @@ def _tiny_hf_model(arch: str, tied: bool) -> torch.nn.Module:
                   tie_word_embeddings=tied)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="eager"))
+    elif arch == "qwen3":  # head_dim 32, decoupled from hidden_size / heads = 16
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, attn_implementation="eager"))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common, attn_implementation="eager"))
     with torch.no_grad():  # give norms and biases non-trivial values so a mix-up shows in the logits
@@ -114,14 +122,16 @@ def _gguf_from_hf(model: torch.nn.Module, arch: str, path: Path) -> Path:
     return _write_gguf(path, arch, config, tensors)
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False)])
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False),
+                                       ("qwen3", True), ("qwen3", False)])
 def test_tiny_gguf_round_trip_gives_identical_logits(tmp_path: Path, arch: str, tied: bool) -> None:
     model = _tiny_hf_model(arch, tied)
     path = _gguf_from_hf(model, arch, tmp_path / "tiny.gguf")
     checkpoint = open_gguf(path)
     config = checkpoint.config
     assert config["model_type"] == arch and config["tie_word_embeddings"] is tied
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        4, 2, 32 if arch == "qwen3" else 16)
     assert config["rms_norm_eps"] == 1e-6 and config["eos_token_id"] == 3
     reference = model.state_dict()
     expected_names = {n for n in reference if not (tied and n == "lm_head.weight")}
@@ -129,7 +139,8 @@ def test_tiny_gguf_round_trip_gives_identical_logits(tmp_path: Path, arch: str, 
     for name, array in checkpoint.iter_tensors():
         assert array.dtype == np.float32 and checkpoint.tensor_shape(name) == array.shape
         np.testing.assert_array_equal(array, reference[name].numpy(), err_msg=name)
-    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     rebuilt = model_class(config_class(**config, attn_implementation="eager")).eval()
     state = {name: torch.from_numpy(array) for name, array in checkpoint.iter_tensors()}
     missing, unexpected = rebuilt.load_state_dict(state, strict=False)

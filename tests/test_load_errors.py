@@ -83,3 +83,18 @@ def test_not_a_gguf_file(tmp_path):
 def test_bad_dtype_name(good_dir):
     with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
         hf.load_model(good_dir, param_dtype="fp8")
+
+
+@pytest.mark.parametrize("rope,missing", [
+    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+     "low_freq_factor"),
+    ({"rope_type": "linear"}, "factor"),
+])
+def test_rope_parameters_are_checked_at_load_time(good_dir, tmp_path, rope, missing):
+    target = _copy(good_dir, tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = rope
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"rope type '{rope['rope_type']}' needs \\['{missing}'\\]"):
+        hf.load_model(target)

@@ -29,7 +29,8 @@ def test_logits_match_transformers(variant, tmp_path):
     assert np.abs(got - expected).max() <= 1e-4
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen2-gqa-untied", "llama3-rope-scaling"])
+@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen2-gqa-untied", "llama3-rope-scaling", "qwen3-gqa-tied",
+                                     "qwen3-mha-untied-bias", "llama32-tied"])
 def test_round_trip_is_bit_identical(variant, tmp_path):
     reference = make_hf_model(variant)
     reference.save_pretrained(tmp_path / "in")

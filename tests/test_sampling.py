@@ -23,9 +23,9 @@ def _pair(variant, tmp_path_factory):
     return reference, hf.load_model(directory), directory
 
 
-@pytest.fixture(scope="module", params=["llama-gqa-tied", "qwen2-gqa-untied"])
+@pytest.fixture(scope="module", params=["llama-gqa-tied", "qwen2-gqa-untied", "qwen3-gqa-tied", "llama32-tied"])
 def both(request, tmp_path_factory):
-    """Parity tests run on both families."""
+    """Parity tests run on every family."""
     return _pair(request.param, tmp_path_factory)
 
 

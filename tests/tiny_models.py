@@ -20,7 +20,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                              rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "qwen2-gqa-untied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "qwen2-mha-tied": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    # Qwen3: q/k RMSNorm, no QKV bias, head_dim (32) decoupled from hidden_size / heads (16), theta 1e6.
+    "qwen3-gqa-tied": ("qwen3", dict(num_key_value_heads=2, tie_word_embeddings=True, head_dim=32,
+                                     rope_theta=1_000_000.0)),
+    "qwen3-mha-untied-bias": ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=False, attention_bias=True)),
+    # Llama-3.2: tied embeddings with Llama-3 rope scaling (factor 32).
+    "llama32-tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500_000.0,
+                                   rope_scaling=dict(LLAMA3_ROPE, factor=32.0))),
 }
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
 def make_hf_model(variant: str, seed: int = 0, **extra: Any):
@@ -29,7 +37,7 @@ def make_hf_model(variant: str, seed: int = 0, **extra: Any):
     import transformers
 
     family, overrides = VARIANTS[variant]
-    config_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    config_cls = getattr(transformers, CONFIG_CLASSES[family])
     kwargs = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
