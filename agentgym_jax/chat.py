@@ -22,8 +22,15 @@ Incremental use in a rollout (the sampled ids are never re-encoded)::
     seq = seq + chat.assistant_turn(sampled, include_generation_prompt=False)   # closes the turn
     seq = seq + chat.render_turn(history, {"role": "user", "content": obs}, add_generation_prompt=True)
 
-``render_turn`` guarantees ``render(h) + render_turn(h, m) == render(h + [m])`` and raises
-``TokenizerError`` for templates where that cannot hold (e.g. templates that rewrite earlier turns).
+``render_turn`` guarantees ``render(h) + render_turn(h, m) == render(h + [m])``.
+
+Templates that rewrite earlier assistant turns once a new query follows (Qwen3 drops their ``<think>`` blocks)
+are detected at construction (``rewrites_history``). For them a conversation is rendered the way a model sampling
+turn by turn sees it: assistant contents are kept as generated (encoded in turn, think blocks included) and each
+other message is the template's glue and content that follow the previous turn. So the tokens trained on are the
+tokens sampled, and ``render`` equals the incremental rendering; the template's own full render (which would show
+earlier turns differently) is never used for such conversations. ``template_kwargs`` (e.g.
+``{"enable_thinking": False}``) are passed to the template on every render.
 """
 
 from __future__ import annotations
@@ -116,7 +123,8 @@ def _validate_messages(messages: Sequence[Message]) -> None:
 class ChatTokenizer:
     """A Hugging Face tokenizer with a chat template, rendering conversations to ids and role masks."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None, extra_stop_token_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, extra_stop_token_ids: Sequence[int] = (),
+                 template_kwargs: Mapping[str, Any] | None = None):
         """Wrap ``tokenizer``; ``chat_template`` overrides the tokenizer's own template.
 
         Raises:
@@ -139,10 +147,13 @@ class ChatTokenizer:
                 "AutoTokenizer.from_pretrained(path) (fast tokenizers, also converted from tokenizer.model)"
             )
         self._extra_stop_ids = tuple(int(i) for i in extra_stop_token_ids)
+        self.template_kwargs = dict(template_kwargs or {})
         self._probe_turn_boundaries()
+        self.rewrites_history = self._probe_history_rewriting()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> ChatTokenizer:
+    def from_pretrained(cls, path: str | Path, chat_template: str | None = None,
+                        template_kwargs: Mapping[str, Any] | None = None) -> ChatTokenizer:
         """Load the tokenizer of a local Hugging Face directory (also reads its generation_config.json stops)."""
         from transformers import AutoTokenizer
 
@@ -164,7 +175,7 @@ class ChatTokenizer:
             except json.JSONDecodeError as err:
                 raise TokenizerError(f"{generation_config} is not valid JSON ({err}); fix or remove it") from err
             extra = [eos] if isinstance(eos, int) else list(eos or [])
-        return cls(tokenizer, chat_template=chat_template, extra_stop_token_ids=extra)
+        return cls(tokenizer, chat_template=chat_template, extra_stop_token_ids=extra, template_kwargs=template_kwargs)
 
     # ----- text level -------------------------------------------------------------------------------
 
@@ -182,6 +193,7 @@ class ChatTokenizer:
                 chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
             )
         except TemplateError as err:
             raise TokenizerError(f"the chat template rejected the conversation: {err}") from err
@@ -253,7 +265,15 @@ class ChatTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> TokenizedChat:
-        """Ids and roles of the whole conversation (ids equal ``apply_chat_template(..., tokenize=True)``)."""
+        """Ids and roles of the whole conversation (ids equal ``apply_chat_template(..., tokenize=True)``, except
+        for templates that rewrite history, whose conversations are rendered turn by turn: module docstring)."""
+        if self.rewrites_history and any(m.get("role") == "assistant" for m in messages):
+            return self._render_incrementally(messages, add_generation_prompt)
+        return self._render_template(messages, add_generation_prompt)[0]
+
+    def _render_template(self, messages: Sequence[Message], add_generation_prompt: bool
+                         ) -> tuple[TokenizedChat, list[tuple[int, int]], list[tuple[int, int]]]:
+        """The template's own rendering: chat, content span of each message, token character offsets."""
         text = self.render_text(messages, add_generation_prompt)
         spans = self._content_spans(messages, text, add_generation_prompt)
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -277,7 +297,25 @@ class ChatTokenizer:
                 position += 1
             if role == Role.ASSISTANT and position < len(ids) and ids[position] in stops:
                 roles[position] = role  # the end-of-turn token the assistant emits after its content
-        return TokenizedChat.from_lists(ids, roles)
+        return TokenizedChat.from_lists(ids, roles), spans, [tuple(o) for o in offsets]
+
+    def _render_incrementally(self, messages: Sequence[Message], add_generation_prompt: bool) -> TokenizedChat:
+        """A conversation as sampled turn by turn: assistant contents verbatim, other messages appended."""
+        _validate_messages(messages)
+        chat, history = TokenizedChat.empty(), []
+        for index, message in enumerate(messages):
+            if message["role"] == "assistant":
+                if not history or history[-1]["role"] == "assistant":
+                    raise TokenizerError("an assistant message must follow a non-assistant message")
+                ended = [self.end_of_turn_id] if self.end_of_turn_id is not None else []  # emitted by the model
+                chat = chat + self.assistant_turn(self.encode_in_turn(message["content"]) + ended,
+                                                  include_generation_prompt=False)
+            else:
+                follows = messages[index + 1]["role"] == "assistant" if index + 1 < len(messages) else None
+                prompt = add_generation_prompt if follows is None else follows
+                chat = chat + self.render_turn(history, message, add_generation_prompt=prompt)
+            history.append(message)
+        return chat
 
     def render_turn(
         self, history: Sequence[Message], message: Message, add_generation_prompt: bool = False
@@ -285,12 +323,15 @@ class ChatTokenizer:
         """Ids and roles of ``message`` (plus the generation prompt if asked) to append to ``render(history)``.
 
         Raises:
-          TokenizerError: when ``render(history)`` is not a prefix of ``render(history + [message])``.
+          TokenizerError: when ``render(history)`` is not a prefix of ``render(history + [message])`` and the
+            template is not one that only rewrites earlier assistant turns.
         """
-        full = self.render([*history, message], add_generation_prompt)
         if not history:
-            return full
-        previous = self.render(history, add_generation_prompt=False)
+            return self.render([message], add_generation_prompt)
+        if self.rewrites_history and history[-1]["role"] == "assistant":
+            return self._suffix_after_assistant(history, message, add_generation_prompt)
+        full = self._render_template([*history, message], add_generation_prompt)[0]
+        previous = self._render_template(history, add_generation_prompt=False)[0]
         n = len(previous)
         if len(full) < n or not np.array_equal(full.ids[:n], previous.ids) or not np.array_equal(
             full.roles[:n], previous.roles
@@ -301,26 +342,58 @@ class ChatTokenizer:
             )
         return full[n:]
 
+    def _suffix_after_assistant(self, history: Sequence[Message], message: Message,
+                                add_generation_prompt: bool) -> TokenizedChat:
+        """What the template writes after the last assistant turn's end for ``message`` (history-rewriting
+        templates): rendered after a history whose assistant contents are their visible parts (no think block)."""
+        plain = [{**m, "content": m["content"].rsplit("</think>", 1)[-1].lstrip("\n")} if m["role"] == "assistant"
+                 else m for m in history]
+        chat, spans, offsets = self._render_template([*plain, message], add_generation_prompt)
+        cut = spans[len(plain) - 1][1] + len(self.assistant_end_text)
+        starts = [start for start, _ in offsets]
+        if cut not in starts:
+            raise TokenizerError("the chat template's end of an assistant turn merges with the next turn's tokens; "
+                                 "turns cannot be appended as ids")
+        return chat[starts.index(cut):]
+
+    def _probe_history_rewriting(self) -> bool:
+        """Whether adding a query after an assistant turn changes how that turn renders (Qwen3's think blocks)."""
+        user_only = self._apply_template([_PROBE_USER], False)
+        for content in (_PROBE_REPLY, f"<think>\n{_PROBE_REPLY}\n</think>\n\n{_PROBE_REPLY}"):
+            reply = {"role": "assistant", "content": content}
+            before = self._apply_template([_PROBE_USER, reply], False)
+            after = self._apply_template([_PROBE_USER, reply, _PROBE_USER], False)
+            if after.startswith(before) or not after.startswith(user_only):
+                continue  # append-only, or it rewrites more than the assistant turn (render_turn refuses it)
+            if not self.assistant_end_text or self.assistant_end_text not in before:
+                raise TokenizerError("the chat template rewrites earlier turns and has no recognisable end of turn; "
+                                     "it cannot be used for multi-turn rollouts")
+            return True
+        return False
+
     # ----- sampler protocol -------------------------------------------------------------------------
 
     def _probe_turn_boundaries(self) -> None:
         """Find the generation prompt and the assistant end-of-turn in token form; check they are separable."""
         user_text = self._apply_template([_PROBE_USER], False)
         prompt_text = self._apply_template([_PROBE_USER], True)
-        reply = {"role": "assistant", "content": _PROBE_REPLY}
-        replied_text = self._apply_template([_PROBE_USER, reply], False)
         if not prompt_text.startswith(user_text) or len(prompt_text) == len(user_text):
             raise TokenizerError(
                 "the chat template has no add_generation_prompt block appending to the conversation; a sampler "
                 "cannot start an assistant turn with it"
             )
-        if not replied_text.startswith(prompt_text + _PROBE_REPLY):
+        # A reply as the model would write it: plain, or (thinking templates such as Qwen3's) with a think block.
+        for reply in (_PROBE_REPLY, f"<think>\n{_PROBE_REPLY}\n</think>\n\n{_PROBE_REPLY}"):
+            replied_text = self._apply_template([_PROBE_USER, {"role": "assistant", "content": reply}], False)
+            if replied_text.startswith(prompt_text + reply):
+                break
+        else:
             raise TokenizerError(
                 "the chat template does not render an assistant message as generation prompt + content + end of "
                 "turn; sampled assistant ids could not be kept verbatim with it"
             )
         self.generation_prompt_text = prompt_text[len(user_text):]
-        self.assistant_end_text = replied_text[len(prompt_text) + len(_PROBE_REPLY):]
+        self.assistant_end_text = replied_text[len(prompt_text) + len(reply):]
         self.generation_prompt_ids = tuple(self.encode(self.generation_prompt_text))
         self.assistant_end_ids = tuple(self.encode(self.assistant_end_text))
         user_ids, prompt_ids, replied_ids = (self.encode(t) for t in (user_text, prompt_text, replied_text))

@@ -23,7 +23,8 @@ DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smoll
 def base_config() -> ml_collections.ConfigDict:
     """Defaults: the original's GRPO recipe (lr 1e-6, k3 KL 0.001, clip 0.2, entropy 0.001, temperature 1)."""
     c = ml_collections.ConfigDict()
-    c.model = dict(path=DEFAULT_MODEL, param_dtype="float32", dtype="float32", remat=False)
+    c.model = dict(path=DEFAULT_MODEL, param_dtype="float32", dtype="float32", remat=False,
+                   chat_template_kwargs=ml_collections.ConfigDict())  # e.g. enable_thinking=False for Qwen3
     c.mesh = dict(shape=(1, 1, 1))
     c.env = dict(
         name="babyai", kwargs=ml_collections.ConfigDict(), num_workers=2, step_timeout_s=120.0,

@@ -56,7 +56,8 @@ class Trainer:
         self.model_dir = resolve_model_path(config.model.path)
         if self.model_dir.is_dir():
             hf.read_hf_config(self.model_dir)  # a broken config.json is named as such, not as a tokenizer problem
-        self.chat = ChatTokenizer.from_pretrained(self.model_dir)
+        self.chat = ChatTokenizer.from_pretrained(self.model_dir,
+                                                  template_kwargs=dict(config.model.chat_template_kwargs))
         model = hf.load_model(
             self.model_dir, mesh=self.mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
             remat=config.model.remat,
