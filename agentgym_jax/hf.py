@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from agentgym_jax import sharding
+from agentgym_jax import lora, sharding
 from agentgym_jax.errors import CheckpointError
 from agentgym_jax.model import DecoderLM, ModelConfig, abstract_model, to_dtype
 
@@ -113,14 +113,19 @@ def load_model(
     param_dtype: str = "float32",
     dtype: str = "float32",
     remat: bool = False,
+    lora_rank: int = 0,
+    lora_alpha: float = 16.0,
+    lora_targets: tuple[str, ...] = (),
 ) -> DecoderLM:
     """Loads a policy from a Hugging Face directory or a ``.gguf`` file, placed on ``mesh`` if given.
 
     ``param_dtype`` is the dtype parameters are stored in, ``dtype`` the compute dtype; ``remat`` turns on
-    per-layer rematerialization for training.
+    per-layer rematerialization for training. ``lora_rank > 0`` adds fresh adapters (``lora_b`` zero, so the
+    outputs are the checkpoint's) on ``lora_targets`` (:mod:`agentgym_jax.lora`).
     """
     path = Path(path)
-    overrides = dict(param_dtype=param_dtype, dtype=dtype, remat=remat)
+    overrides = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                     lora_targets=tuple(lora_targets))
     if path.is_file() and path.suffix == ".gguf":
         from agentgym_jax import gguf
 
@@ -152,6 +157,11 @@ def _build(
     graphdef, state = nnx.split(abstract_model(config))
     flat = dict(nnx.to_flat_state(state))
     wanted = {".".join(map(str, key)): key for key in flat}
+    for path in [p for p in wanted if lora.is_adapter_path(p)]:  # adapters are not in the checkpoint: fresh ones
+        key = wanted.pop(path)
+        array = lora.initial_adapter(path, tuple(flat[key].shape))
+        flat[key].set_value(jax.device_put(array, sharding.param_sharding(mesh, path, array.shape))
+                            if mesh is not None else jnp.asarray(array))
     hf_names = {our_to_hf_name(p): p for p in wanted}
     missing = sorted(set(hf_names) - available)
     if missing:
@@ -189,11 +199,15 @@ def _build(
 
 
 def hf_state_items(model: DecoderLM) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields ``(hf_name, numpy tensor in HF layout)`` one parameter at a time (gathered from shards)."""
+    """Yields ``(hf_name, numpy tensor in HF layout)`` one parameter at a time (gathered from shards); adapters
+    are merged into their kernels."""
     state = nnx.state(model, nnx.Param)
+    merged = lora.merged_kernels(model) if model.config.lora_rank else {}
     for key, variable in sorted(nnx.to_flat_state(state), key=lambda kv: ".".join(map(str, kv[0]))):
         path = ".".join(map(str, key))
-        array = np.asarray(jax.device_get(variable[...]))
+        if lora.is_adapter_path(path):
+            continue
+        array = merged[path] if path in merged else np.asarray(jax.device_get(variable[...]))
         yield our_to_hf_name(path), (array.T if path.endswith(".kernel") else array)
 
 

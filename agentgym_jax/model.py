@@ -25,6 +25,7 @@ from flax import nnx
 
 from agentgym_jax import sharding
 from agentgym_jax.errors import ConfigError
+from agentgym_jax.lora import Linear, check_lora
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -72,6 +73,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     remat: bool = False  # rematerialize each decoder layer in the backward pass
     frozen_layers: int = 0  # the first N decoder layers pass no gradient back (training only the layers above)
+    lora_rank: int = 0  # > 0: low-rank adapters on lora_targets (agentgym_jax/lora.py)
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
@@ -142,6 +146,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        check_lora(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
 
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict of this architecture."""
@@ -296,11 +301,10 @@ class Embedding(nnx.Module):
         return jnp.einsum("bsd,vd->bsv", hidden, self.weight[...].astype(self.dtype))
 
 
-def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        d_in, d_out, use_bias=bias, dtype=to_dtype(config.dtype), param_dtype=to_dtype(config.param_dtype),
-        kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
-    )
+def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rngs, name: str = "") -> Linear:
+    adapted = config.lora_rank and name in config.lora_targets
+    return Linear(d_in, d_out, bias=bias, dtype=to_dtype(config.dtype), param_dtype=to_dtype(config.param_dtype),
+                  rngs=rngs, rank=config.lora_rank if adapted else 0, alpha=config.lora_alpha)
 
 
 class Attention(nnx.Module):
@@ -308,10 +312,10 @@ class Attention(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, h = config.hidden_size, config.head_dim
-        self.q_proj = _linear(d, config.num_attention_heads * h, config.qkv_bias, config, rngs)
-        self.k_proj = _linear(d, config.num_key_value_heads * h, config.qkv_bias, config, rngs)
-        self.v_proj = _linear(d, config.num_key_value_heads * h, config.qkv_bias, config, rngs)
-        self.o_proj = _linear(config.num_attention_heads * h, d, config.o_bias, config, rngs)
+        self.q_proj = _linear(d, config.num_attention_heads * h, config.qkv_bias, config, rngs, "q_proj")
+        self.k_proj = _linear(d, config.num_key_value_heads * h, config.qkv_bias, config, rngs, "k_proj")
+        self.v_proj = _linear(d, config.num_key_value_heads * h, config.qkv_bias, config, rngs, "v_proj")
+        self.o_proj = _linear(config.num_attention_heads * h, d, config.o_bias, config, rngs, "o_proj")
         if config.qk_norm:
             self.q_norm = RMSNorm(h, config.rms_norm_eps, to_dtype(config.param_dtype))
             self.k_norm = RMSNorm(h, config.rms_norm_eps, to_dtype(config.param_dtype))
@@ -361,9 +365,9 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(d, f, config.mlp_bias, config, rngs)
-        self.up_proj = _linear(d, f, config.mlp_bias, config, rngs)
-        self.down_proj = _linear(f, d, config.mlp_bias, config, rngs)
+        self.gate_proj = _linear(d, f, config.mlp_bias, config, rngs, "gate_proj")
+        self.up_proj = _linear(d, f, config.mlp_bias, config, rngs, "up_proj")
+        self.down_proj = _linear(f, d, config.mlp_bias, config, rngs, "down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gated = sharding.constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), "mlp")

@@ -52,6 +52,12 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"mlp\.(gate|up)_proj\.bias$", P("tensor")),
     (r"mlp\.down_proj\.kernel$", P("tensor", "fsdp")),  # [F, D]
     (r"mlp\.down_proj\.bias$", P(None)),
+    # LoRA adapters follow their projection: lora_a [in, r] splits like the kernel's input axis, lora_b [r, out]
+    # like its output axis.
+    (r"((q|k|v)_proj|(gate|up)_proj)\.lora_a$", P("fsdp", None)),
+    (r"((q|k|v)_proj|(gate|up)_proj)\.lora_b$", P(None, "tensor")),
+    (r"(o_proj|down_proj)\.lora_a$", P("tensor", None)),
+    (r"(o_proj|down_proj)\.lora_b$", P(None, "fsdp")),
     (r"norm\.weight$|layernorm\.weight$", P(None)),
     (r"lm_head\.kernel$", P("fsdp", "tensor")),  # [D, V]
     (r"value_head\.kernel$", P("fsdp", None)),  # critic head [D, 1]

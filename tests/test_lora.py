@@ -1,0 +1,113 @@
+"""LoRA adapters: exact base outputs when fresh, the base as reference, merged and PEFT exports that load."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from agentgym_jax import hf, lora, sharding
+from agentgym_jax.errors import ConfigError
+from tests.tiny_models import make_hf_model
+
+ALL = lora.PROJECTIONS
+IDS = np.random.RandomState(0).randint(0, 256, (2, 24))
+
+
+@pytest.fixture(scope="module", params=["llama-gqa-tied", "qwen3-gqa-tied"])
+def base_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    make_hf_model(request.param).save_pretrained(directory)
+    return directory
+
+
+def _trained(directory, targets=ALL, rank=4, alpha=8.0):
+    """A LoRA policy whose adapters hold non-zero values, as after training."""
+    model = hf.load_model(directory, lora_rank=rank, lora_alpha=alpha, lora_targets=targets)
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(1)
+    flat = []
+    for key, variable in nnx.to_flat_state(state):
+        if key[-1] in ("lora_a", "lora_b"):
+            variable = variable.replace(jnp.asarray(rng.normal(0, 0.2, variable.shape), jnp.float32))
+        flat.append((key, variable))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _logits(model, ids=IDS) -> np.ndarray:
+    return np.asarray(model(jnp.asarray(ids)))
+
+
+def test_fresh_adapters_give_exactly_the_base_logits(base_dir):
+    base = _logits(hf.load_model(base_dir))
+    fresh = hf.load_model(base_dir, lora_rank=4, lora_targets=ALL)
+    assert np.array_equal(_logits(fresh), base)
+    adapters = [k for k, _ in nnx.to_flat_state(nnx.state(fresh, lora.LoRAParam))]
+    layers = fresh.config.num_hidden_layers
+    assert len(adapters) == 2 * len(ALL) * layers
+
+
+def test_reference_without_adapters_is_the_base_model_sharing_its_arrays(base_dir):
+    base = _logits(hf.load_model(base_dir))
+    trained = _trained(base_dir)
+    assert np.abs(_logits(trained) - base).max() > 1e-3  # the adapters do change the outputs
+    graphdef, state = nnx.split(trained)
+    reference_state = lora.without_adapters(state)
+    assert np.array_equal(_logits(nnx.merge(graphdef, reference_state)), base)
+    kernel = ("model", "layers", 0, "self_attn", "q_proj", "kernel")
+    same = dict(nnx.to_flat_state(reference_state))[kernel][...] is dict(nnx.to_flat_state(state))[kernel][...]
+    assert same  # no second copy of the base weights
+
+
+def test_merged_export_loads_in_transformers_with_our_logits(base_dir, tmp_path):
+    trained = _trained(base_dir, targets=("q_proj", "v_proj", "down_proj"))
+    hf.export_model(trained, tmp_path / "merged")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
+    with torch.no_grad():
+        theirs = reloaded(torch.tensor(IDS)).logits.numpy()
+    assert np.abs(theirs - _logits(trained)).max() <= 1e-4
+
+
+def test_peft_export_loads_with_peft_and_matches(base_dir, tmp_path):
+    import peft  # pinned in requirements-dev.txt
+    trained = _trained(base_dir, targets=("q_proj", "k_proj", "o_proj", "up_proj"), rank=3, alpha=6.0)
+    lora.export_peft(trained, tmp_path / "adapter", base_model=str(base_dir))
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager")
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = with_adapter(torch.tensor(IDS)).logits.numpy()
+    assert np.abs(theirs - _logits(trained)).max() <= 1e-4
+
+
+def test_adapters_are_sharded_like_their_projections(base_dir):
+    trained = _trained(base_dir)
+    mesh = sharding.make_mesh((4, 2, 1))
+    sharded = hf.load_model(base_dir, mesh=mesh, lora_rank=4, lora_alpha=8.0, lora_targets=ALL)
+    _, trained_state = nnx.split(trained)
+    graphdef, state = nnx.split(sharded)
+    values = dict(nnx.to_flat_state(trained_state))
+    flat = []
+    for key, variable in nnx.to_flat_state(state):
+        if key[-1] in ("lora_a", "lora_b"):
+            path = ".".join(map(str, key))
+            placed = jax.device_put(values[key][...], sharding.param_sharding(mesh, path, variable.shape))
+            variable = variable.replace(placed)
+        flat.append((key, variable))
+    rows = np.random.RandomState(2).randint(0, 256, (8, 24))  # the batch splits over the 8 devices
+    with sharding.use_mesh(mesh):
+        got = _logits(nnx.merge(graphdef, nnx.from_flat_state(flat)), rows)
+    assert np.abs(got - _logits(trained, rows)).max() <= 1e-5
+    spec = sharding.param_spec("model.layers.0.mlp.down_proj.lora_b")
+    assert tuple(spec) == (None, "fsdp")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lora_rank=4, lora_targets=("qkv",)), "not projections of this model"),
+    (dict(lora_rank=4, lora_targets=()), "needs lora_targets"),
+    (dict(lora_rank=4, lora_targets=("q_proj",), lora_alpha=0.0), "lora_alpha must be positive"),
+])
+def test_bad_adapter_settings_are_named(base_dir, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        hf.load_model(base_dir, **kwargs)
