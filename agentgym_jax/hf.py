@@ -219,8 +219,12 @@ def export_model(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     generation_config: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    adapter_only: bool = False,
 ) -> Path:
     """Writes ``model`` as a Hugging Face directory: config, generation config, safetensors and tokenizer.
+
+    A LoRA policy is written with its adapters merged into the weights, or with ``adapter_only`` as a PEFT
+    adapter directory (``adapter_config.json`` naming ``tokenizer_dir`` as the base, ``adapter_model.safetensors``).
 
     Weights above ``max_shard_bytes`` are split into numbered shards with ``model.safetensors.index.json``.
     Tokenizer files (and the chat template) are copied from ``tokenizer_dir``. The directory is written beside
@@ -234,9 +238,13 @@ def export_model(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         config = model.config
-        (staging / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-        _write_generation_config(staging, config, tokenizer_dir, generation_config)
-        _write_weights(model, staging, max_shard_bytes)
+        if adapter_only:
+            base = str(Path(tokenizer_dir).absolute()) if tokenizer_dir else ""
+            lora.write_peft_files(model, staging, base_model=base)
+        else:
+            (staging / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+            _write_generation_config(staging, config, tokenizer_dir, generation_config)
+            _write_weights(model, staging, max_shard_bytes)
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 source = Path(tokenizer_dir) / name

@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import advantages as adv_lib
-from agentgym_jax import freezing, losses, sharding
+from agentgym_jax import freezing, lora, losses, sharding
 from agentgym_jax.batch import BatchError, TrajectoryBatch
 from agentgym_jax.buckets import bucket
 from agentgym_jax.critic import Critic, copy_tree
@@ -417,12 +417,15 @@ def _accumulated_grads(
     params: Any,
     stack: Mapping[str, Array],
     denominator: Array,
+    fixed: Any = None,
 ) -> tuple[Any, dict[str, Array]]:
-    """Sum over the leading micro-batch axis of ``stack`` of the gradient of ``loss_fn`` (exact accumulation)."""
+    """Sum over the leading micro-batch axis of ``stack`` of the gradient of ``loss_fn`` (exact accumulation),
+    with respect to ``params`` only (``fixed``: the rest of the model's state, e.g. the base weights under LoRA)."""
 
     def grads_of(micro: Mapping[str, Array]) -> tuple[Any, dict[str, Array]]:
         def loss_of(p: Any) -> tuple[Array, dict[str, Array]]:
-            return loss_fn(nnx.merge(graphdef, p), micro, denominator)
+            model = nnx.merge(graphdef, p) if fixed is None else nnx.merge(graphdef, p, fixed)
+            return loss_fn(model, micro, denominator)
 
         (_, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         return grads, aux
@@ -469,6 +472,10 @@ class Learner:
         non_params = [k for k, v in nnx.to_flat_state(self._policy) if not isinstance(v, nnx.Param)]
         if non_params:
             raise ConfigError(f"the policy holds non-parameter state {non_params[:3]}; the learner trains Params only")
+        self._lora = model.config.lora_rank > 0  # train the adapters only; the base is also the KL reference
+        if self._lora and config.uses_critic:
+            raise ConfigError("LoRA policies train with critic-free estimators (grpo, rloo, reinforce_pp); a critic "
+                              "would be a full copy of the model. Set lora_rank=0 or another advantage_estimator")
         frozen = freezing.frozen_layer_count(model.config.num_hidden_layers, config.trainable_layers)
         train_model_config = dataclasses.replace(
             model.config,
@@ -481,8 +488,9 @@ class Learner:
         if frozen:
             self._optimizer = freezing.freeze_layers(self._optimizer, frozen)
         with sharding.use_mesh(mesh):
-            self._opt_state = self._commit(jax.jit(self._optimizer.init)(self._policy))
-        self._reference = copy_tree(self._policy) if config.use_reference else None
+            self._opt_state = self._commit(jax.jit(self._optimizer.init)(self._trainable(self._policy)[0]))
+        # Under LoRA the reference is the policy with its adapters zeroed (lora.without_adapters): no copy.
+        self._reference = copy_tree(self._policy) if config.use_reference and not self._lora else None
         self._critic = self._critic_opt = self._critic_graphdef = None
         self._critic_optimizer = self._critic_schedule = None
         if config.uses_critic:
@@ -543,9 +551,13 @@ class Learner:
         uses_critic, use_reference = config.uses_critic, config.use_reference
         recompute = config.old_logp_source == "recompute"
 
+        lora_policy = self._lora
+
         def _learner_experience(policy: Any, reference: Any, critic: Any, tokens: Array, positions: Array
                                 ) -> dict[str, Array]:
             out = {}
+            if lora_policy:
+                reference = lora.without_adapters(policy)
             logprobs = functools.partial(
                 token_logprobs, tokens=tokens, temperature=config.temperature, chunk_size=config.logprob_chunk_size,
                 positions=positions,
@@ -559,6 +571,7 @@ class Learner:
             return out
 
         policy_loss_fn = functools.partial(policy_loss, config=config)
+        split_trainable = self._trainable
         value_loss_fn = functools.partial(value_loss, config=config)
         optimizer, critic_optimizer = self._optimizer, self._critic_optimizer
         schedule, critic_schedule = self._schedule, self._critic_schedule
@@ -571,10 +584,12 @@ class Learner:
             mask = stack["loss_mask"]
             denominator = loss_denominator(config.loss_aggregation, mask.reshape(-1, mask.shape[-1]))
             policy_stack = {k: stack[k] for k in POLICY_FIELDS + (("ref_logp",) if "ref_logp" in stack else ())}
-            grads, aux = _accumulated_grads(policy_loss_fn, train_graphdef, policy, policy_stack, denominator)
+            trainable, fixed = split_trainable(policy)
+            grads, aux = _accumulated_grads(policy_loss_fn, train_graphdef, trainable, policy_stack, denominator,
+                                            fixed)
             grad_norm = optax.tree.norm(grads)
-            updates, new_opt = optimizer.update(grads, opt_state, policy)
-            new_policy = optax.apply_updates(policy, updates)
+            updates, new_opt = optimizer.update(grads, opt_state, trainable)
+            new_trainable = optax.apply_updates(trainable, updates)
             finite = jnp.isfinite(aux["total_loss"]) & jnp.isfinite(grad_norm)
             metrics = dict(aux, grad_norm=grad_norm, lr=schedule(step))
             if uses_critic:
@@ -589,7 +604,8 @@ class Learner:
                 metrics.update(critic_aux, critic_grad_norm=critic_norm, critic_lr=critic_schedule(step))
             nonempty = denominator > 0
             apply = finite & nonempty
-            policy_out = _keep_if(apply, new_policy, policy)
+            trainable_out = _keep_if(apply, new_trainable, trainable)
+            policy_out = trainable_out if fixed is None else nnx.merge_state(trainable_out, fixed)
             opt_out = _keep_if(apply, new_opt, opt_state)
             if param_shardings is not None:
                 policy_out = jax.lax.with_sharding_constraint(policy_out, param_shardings)
@@ -828,7 +844,8 @@ class Learner:
                 mask = stack["loss_mask"]
                 denominator = loss_denominator(config.loss_aggregation, mask.reshape(-1, mask.shape[-1]))
                 loss_fn = functools.partial(policy_loss, config=config)
-                return _accumulated_grads(loss_fn, graphdef, policy, stack, denominator)
+                trainable, fixed = self._trainable(policy)
+                return _accumulated_grads(loss_fn, graphdef, trainable, stack, denominator, fixed)
 
             self._gradients_program = jax.jit(_learner_gradients)
         with sharding.use_mesh(self.mesh):
@@ -838,8 +855,15 @@ class Learner:
 
     # ---------------------------------------------------------------------------------------- checkpoints
 
+    def _trainable(self, policy: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+        """(what the optimizer trains, the rest): (adapters, base weights) under LoRA, else (policy, None)."""
+        if not self._lora:
+            return policy, None
+        return nnx.split_state(policy, lora.LoRAParam, ...)
+
     def _trees(self) -> dict[str, Any]:
-        trees = {"policy": self._policy, "policy_opt": self._opt_state}
+        # Under LoRA a checkpoint holds the adapters and their optimizer state; the base comes from model.path.
+        trees = {"policy": self._trainable(self._policy)[0], "policy_opt": self._opt_state}
         if self._reference is not None:
             trees["reference"] = self._reference
         if self._critic is not None:
@@ -883,7 +907,10 @@ class Learner:
                 value = np.asarray(jax.device_get(value)).astype(current.dtype) if not isinstance(value, jax.Array) else value.astype(current.dtype)
                 leaves.append(jax.device_put(value, current.sharding))
             restored[part] = jax.tree_util.tree_unflatten(treedef, leaves)
-        self._policy, self._opt_state = restored["policy"], restored["policy_opt"]
+        policy = restored["policy"]
+        if self._lora:
+            policy = nnx.merge_state(policy, self._trainable(self._policy)[1])
+        self._policy, self._opt_state = policy, restored["policy_opt"]
         self._reference = restored.get("reference")
         if self._critic is not None:
             self._critic, self._critic_opt = restored["critic"], restored["critic_opt"]

@@ -8,8 +8,8 @@ so a fresh adapter leaves the model's outputs exactly as they were.
 * :func:`without_adapters`: the same state with every ``lora_b`` zeroed: the base model, e.g. the KL reference,
   sharing the base arrays (no second copy of the weights).
 * :func:`merged_kernels`: ``kernel + lora_a @ lora_b * scale`` per projection, for a merged Hugging Face export.
-* :func:`export_peft`: a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) that
-  ``peft.PeftModel.from_pretrained(base, dir)`` loads.
+* :func:`write_peft_files`: a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+  that ``peft.PeftModel.from_pretrained(base, dir)`` loads (``hf.export_model(..., adapter_only=True)``).
 """
 
 from __future__ import annotations
@@ -117,15 +117,15 @@ def merged_kernels(model: nnx.Module) -> dict[str, np.ndarray]:
     return merged
 
 
-def export_peft(model: nnx.Module, out: str | os.PathLike, base_model: str = "") -> Path:
-    """Writes a PEFT LoRA adapter directory for ``model``'s adapters (what ``PeftModel.from_pretrained`` reads)."""
+def write_peft_files(model: nnx.Module, out: str | os.PathLike, base_model: str = "") -> Path:
+    """Writes ``model``'s adapters as PEFT LoRA files into the directory ``out`` (what
+    ``PeftModel.from_pretrained`` reads); ``hf.export_model(..., adapter_only=True)`` wraps it safely."""
     from safetensors.numpy import save_file
 
     config = model.config
     if not config.lora_rank:
-        raise ConfigError("the model has no adapters (lora_rank=0); export the full weights with export_model")
+        raise ConfigError("the model has no adapters (lora_rank=0); export the full weights instead")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, a, b, _ in adapter_arrays(model):
         prefix = f"base_model.model.{name}"

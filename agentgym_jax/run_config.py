@@ -24,7 +24,8 @@ def base_config() -> ml_collections.ConfigDict:
     """Defaults: the original's GRPO recipe (lr 1e-6, k3 KL 0.001, clip 0.2, entropy 0.001, temperature 1)."""
     c = ml_collections.ConfigDict()
     c.model = dict(path=DEFAULT_MODEL, param_dtype="float32", dtype="float32", remat=False,
-                   chat_template_kwargs=ml_collections.ConfigDict())  # e.g. enable_thinking=False for Qwen3
+                   chat_template_kwargs=ml_collections.ConfigDict(),  # e.g. enable_thinking=False for Qwen3
+                   lora_rank=0, lora_alpha=16.0, lora_targets=())  # lora_rank > 0: train adapters only (lora.py)
     c.mesh = dict(shape=(1, 1, 1))
     c.env = dict(
         name="babyai", kwargs=ml_collections.ConfigDict(), num_workers=2, step_timeout_s=120.0,
@@ -111,6 +112,12 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
              "mesh.shape", f"must be three positive sizes (data, fsdp, tensor), got {config.mesh.shape}")
     if config.model.path != DEFAULT_MODEL:
         resolve_model_path(config.model.path)
+    from agentgym_jax.lora import check_lora
+
+    try:
+        check_lora(config.model.lora_rank, config.model.lora_alpha, tuple(config.model.lora_targets))
+    except ConfigError as error:
+        raise ConfigError(f"model.{error}") from None
     for dtype_key in ("param_dtype", "dtype"):
         _require(config.model[dtype_key] in ("float32", "bfloat16"), f"model.{dtype_key}",
                  f"must be 'float32' or 'bfloat16', got {config.model[dtype_key]!r}")

@@ -60,7 +60,8 @@ class Trainer:
                                                   template_kwargs=dict(config.model.chat_template_kwargs))
         model = hf.load_model(
             self.model_dir, mesh=self.mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
-            remat=config.model.remat,
+            remat=config.model.remat, lora_rank=config.model.lora_rank, lora_alpha=config.model.lora_alpha,
+            lora_targets=tuple(config.model.lora_targets),
         )
         self.learner = Learner(model, learner_config_from(config), mesh=self.mesh)
         budget = config.rollout.max_trajectory_tokens
@@ -341,10 +342,12 @@ class Trainer:
         self.checkpointer.wait()
         return history
 
-    def export(self, out_dir: str | Path | None = None, overwrite: bool = True) -> Path:
-        """Writes the current policy as a Hugging Face directory (replacing only an earlier export of ours)."""
+    def export(self, out_dir: str | Path | None = None, overwrite: bool = True, adapter_only: bool = False) -> Path:
+        """Writes the current policy as a Hugging Face directory (replacing only an earlier export of ours); a LoRA
+        policy merged, or with ``adapter_only`` as a PEFT adapter directory."""
         out = Path(out_dir or self.workdir / "export")
-        return hf.export_model(self.learner.policy_model(), out, tokenizer_dir=self.model_dir, overwrite=overwrite)
+        return hf.export_model(self.learner.policy_model(), out, tokenizer_dir=self.model_dir, overwrite=overwrite,
+                               adapter_only=adapter_only)
 
     def plot(self) -> Path:
         return plot_run(self.workdir)

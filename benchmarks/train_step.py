@@ -12,6 +12,7 @@ of a large jitted JAX matmul of the same dtype, measured in the same run.
 
     .venv/bin/python -m benchmarks.train_step            # writes benchmarks/results/train_step.json
     .venv/bin/python -m benchmarks.train_step --steps 2  # fewer timed steps
+    .venv/bin/python -m benchmarks.train_step --lora 16  # ours: LoRA (rank 16, every projection) vs full
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def run_ours(model_dir: str, dtype: str, steps: int, options: dict[str, Any]) ->
     from agentgym_jax.batch import TrajectoryBatch
     from agentgym_jax.learner import Learner, LearnerConfig
 
-    model = hf.load_model(model_dir, param_dtype="float32", dtype="float32")
+    model = hf.load_model(model_dir, param_dtype="float32", dtype="float32", lora_rank=options.get("lora_rank", 0),
+                          lora_alpha=options.get("lora_alpha", 16.0),
+                          lora_targets=tuple(options.get("lora_targets", ())))
     config = LearnerConfig(
         learning_rate=1e-6, old_logp_source="sampler", use_reference=False, kl_coef=0.0,
         compute_dtype=dtype, remat=options["remat"], logprob_chunk_size=options["chunk"],
@@ -177,6 +180,32 @@ def _spawn(side: str, model_dir: str, dtype: str, steps: int, options: dict[str,
     return result
 
 
+def _compare_lora(model_dir: str, args: argparse.Namespace, options: dict[str, Any], tokens: int) -> None:
+    """Our fp32 step with adapters of rank ``args.lora`` on every projection vs full fine-tuning: time and memory."""
+    from agentgym_jax.lora import PROJECTIONS
+
+    full = _spawn("ours", model_dir, "float32", args.steps, options)
+    lora_options = dict(options, lora_rank=args.lora, lora_alpha=2.0 * args.lora, lora_targets=list(PROJECTIONS))
+    adapted = _spawn("ours", model_dir, "float32", args.steps, lora_options)
+    rows = {}
+    for name, result in (("full", full), ("lora", adapted)):
+        step_s = median(result["step_seconds"])
+        rows[name] = dict(tokens_per_s=tokens / step_s, step_s=step_s, peak_rss_gb=result["peak_rss_gb"],
+                          first_call_s=result["first_call_s"], loss=result["losses"][0])
+    payload = dict(
+        lora_rank=args.lora, lora_targets=list(PROJECTIONS), dtype="float32", full=rows["full"], lora=rows["lora"],
+        peak_rss_ratio_lora_vs_full=rows["lora"]["peak_rss_gb"] / rows["full"]["peak_rss_gb"],
+        speed_ratio_lora_vs_full=rows["lora"]["tokens_per_s"] / rows["full"]["tokens_per_s"],
+        batch=dict(rows=BATCH, seq_len=SEQ_LEN), ours_options=options, timed_steps=args.steps,
+        statistic="median of timed steps after one warm-up (compiling) step; each run in its own subprocess",
+        machine=cpu_facts(),
+    )
+    if not args.no_write:
+        print(write_json("train_step_lora", payload))
+    print(json.dumps({k: v for k, v in payload.items() if k in ("full", "lora", "peak_rss_ratio_lora_vs_full",
+                                                                 "speed_ratio_lora_vs_full")}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
@@ -186,6 +215,8 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=BATCH)
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--lora", type=int, default=0, help="rank > 0: compare our LoRA step with our full "
+                        "fine-tuning step instead (fp32; writes train_step_lora.json)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -203,6 +234,9 @@ def main() -> None:
     flops = model_flops_per_step(config)
     tokens = BATCH * SEQ_LEN
     options = dict(remat=bool(args.remat), chunk=args.chunk or None, microbatch=args.microbatch)
+    if args.lora:
+        _compare_lora(model_dir, args, options, tokens)
+        return
     dtypes = args.dtypes.split(",")
     matmul = _spawn("matmul", model_dir, "float32", 0, dict(size=args.matmul_size))
     per_dtype: dict[str, Any] = {}

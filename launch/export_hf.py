@@ -3,7 +3,8 @@
     python -m launch.export_hf --config=configs/cpu_demo.py --checkpoint=runs/cpu_demo/checkpoints --out=/tmp/policy
 
 The result loads with ``transformers.AutoModelForCausalLM.from_pretrained`` (config, generation config,
-safetensors, tokenizer and chat template).
+safetensors, tokenizer and chat template); a LoRA policy is merged, or with ``--peft`` written as a PEFT adapter
+directory for ``peft.PeftModel.from_pretrained(base_model, out)``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The run's orbax checkpoin
 _OUT = flags.DEFINE_string("out", None, "Output Hugging Face directory: new or empty (or an earlier export, with "
                            "--overwrite); the base model's directory is refused.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an earlier export of this tool in --out.")
+_PEFT = flags.DEFINE_bool("peft", False, "LoRA runs: write a PEFT adapter directory (peft.PeftModel.from_pretrained) "
+                          "instead of the merged full weights.")
 
 
 @run_main
@@ -44,7 +47,7 @@ def main(argv: list[str]) -> None:
                 raise CheckpointError(f"no checkpoint found in {checkpoint}")
             skipped = trainer.checkpointer.skipped
             note = f" (newer checkpoints {skipped} could not be restored)" if skipped else ""
-            print(f"exported step {trainer.step}{note} to {trainer.export(out, overwrite=_OVERWRITE.value)}")
+            print(f"exported step {trainer.step}{note} to {trainer.export(out, overwrite=_OVERWRITE.value, adapter_only=_PEFT.value)}")
         finally:
             trainer.close()
 

@@ -45,8 +45,8 @@ def _sample(sampler: Sampler, rng: jax.Array, repeats: int = 1) -> tuple[Traject
     return batch, float(rewards.mean())
 
 
-def _train(model_dir, config: LearnerConfig, iterations: int = 60) -> tuple[float, float, list[float]]:
-    model = hf.load_model(model_dir)
+def _train(model_dir, config: LearnerConfig, iterations: int = 60, **load) -> tuple[float, float, list[float]]:
+    model = hf.load_model(model_dir, **load)
     sampler = Sampler(model, SamplerConfig(cache_length=16, batch_buckets=(32, 128)))
     learner = Learner(model, config)
     rng = jax.random.PRNGKey(0)
@@ -78,3 +78,28 @@ def test_bandit_reward_rises_above_0_9(model_dir, name, overrides):
     initial, final, curve = _train(model_dir, config)
     assert initial < 0.3, f"{name}: the untrained policy should be near the random level 0.125, got {initial}"
     assert final > 0.9, f"{name}: mean reward {initial:.3f} -> {final:.3f}; curve {np.round(curve, 2).tolist()}"
+
+
+@pytest.fixture(scope="module")
+def wide_embedding_dir(tmp_path_factory):
+    """The tiny model with its (tied) embedding scaled up: with the output head frozen, as under LoRA, the
+    hidden state must be able to move the logits (at the usual 0.02 scale they span only about +-0.2)."""
+    import torch
+
+    from tests.tiny_models import make_hf_model
+
+    model = make_hf_model("llama-gqa-tied")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(10.0)
+    directory = tmp_path_factory.mktemp("bandit-wide")
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_lora_policy_learns_the_bandit_with_the_base_as_reference(wide_embedding_dir):
+    # Adapters on every projection (the embedding/output head stays frozen), KL to the base model.
+    config = LearnerConfig(learning_rate=3e-2, advantage_estimator="grpo", kl_coef=0.001)
+    initial, final, curve = _train(wide_embedding_dir, config, lora_rank=8, lora_alpha=16.0,
+                                   lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"))
+    assert initial < 0.3 and final > 0.9, f"LoRA: {initial:.3f} -> {final:.3f}; curve {np.round(curve, 2).tolist()}"

@@ -1,5 +1,7 @@
 """LoRA adapters: exact base outputs when fresh, the base as reference, merged and PEFT exports that load."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,7 +75,8 @@ def test_merged_export_loads_in_transformers_with_our_logits(base_dir, tmp_path)
 def test_peft_export_loads_with_peft_and_matches(base_dir, tmp_path):
     import peft  # pinned in requirements-dev.txt
     trained = _trained(base_dir, targets=("q_proj", "k_proj", "o_proj", "up_proj"), rank=3, alpha=6.0)
-    lora.export_peft(trained, tmp_path / "adapter", base_model=str(base_dir))
+    hf.export_model(trained, tmp_path / "adapter", tokenizer_dir=base_dir, adapter_only=True)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 3
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager")
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
@@ -111,3 +114,30 @@ def test_adapters_are_sharded_like_their_projections(base_dir):
 def test_bad_adapter_settings_are_named(base_dir, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         hf.load_model(base_dir, **kwargs)
+
+
+def test_lora_run_checkpoints_only_adapters_and_resumes_exactly(tmp_path):
+    from agentgym_jax.trainer import Trainer
+    from tests.test_trainer import tiny_config
+    from tests.tiny_models import save_tiny_chat_model
+
+    config = tiny_config(save_tiny_chat_model(tmp_path / "model"), tmp_path / "run", steps=2, checkpoint_every=1,
+                         eval_before=False)
+    config.model.lora_rank, config.model.lora_alpha, config.model.lora_targets = 4, 8.0, ALL
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+        saved = trainer.learner.checkpoint_state()
+        final = {k: np.asarray(v) for k, v in nnx.to_flat_state(trainer.learner.policy_state)}
+    finally:
+        trainer.close()
+    policy_keys = [k for k in saved if k.startswith("policy/")]
+    assert policy_keys and all(k.endswith((".lora_a.value", ".lora_b.value")) for k in policy_keys)
+    assert any(np.abs(v).max() > 0 for k, v in final.items() if k[-1] == "lora_b")  # the adapters trained
+    resumed = Trainer(config)
+    try:
+        assert resumed.maybe_resume() and resumed.step == 2
+        again = {k: np.asarray(v) for k, v in nnx.to_flat_state(resumed.learner.policy_state)}
+    finally:
+        resumed.close()
+    assert again.keys() == final.keys() and all(np.array_equal(again[k], final[k]) for k in final)
