@@ -435,7 +435,11 @@ class DecoderLM(nnx.Module):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
             lengths = None if cache is None else cache.lengths
             if self.config.remat and cache is None:
-                x, layer_cache = nnx.remat(lambda m, *a: m(*a))(layer, x, positions, inv_freq, layer_cache, lengths)
+                # Functional remat over the layer's state: its arrays may come from several traces (LoRA: the
+                # differentiated adapters and the fixed base weights), which nnx.remat's in-place updates refuse.
+                graphdef, layer_state = nnx.split(layer)
+                run = jax.checkpoint(lambda state, *a, graphdef=graphdef: nnx.merge(graphdef, state)(*a))
+                x, layer_cache = run(layer_state, x, positions, inv_freq, layer_cache, lengths)
             else:
                 x, layer_cache = layer(x, positions, inv_freq, layer_cache, lengths)
             if i + 1 == self.config.frozen_layers:  # no backward pass below this point
