@@ -1,10 +1,11 @@
 """Read a llama.cpp GGUF checkpoint as a Hugging Face config, HF-named fp32 tensors and a tokenizer.
 
-Supported architectures: ``llama`` (Llama, SmolLM2, ...), ``qwen2`` (Qwen2, Qwen2.5) and ``qwen3`` (dense Qwen3). Tensors are
-dequantized one at a time (any quantization the ``gguf`` package can dequantize), so a loader can
-place each tensor into its shard before reading the next one. llama.cpp stores the query/key
-projections of ``llama`` models with their rotary halves interleaved; that permutation is undone here,
-so the returned tensors are exactly what a Hugging Face checkpoint would hold.
+Supported architectures: ``llama`` (Llama, SmolLM2, Llama-3.x with its rope parameters recovered from
+``rope_freqs``), ``qwen2`` (Qwen2, Qwen2.5) and ``qwen3`` (dense Qwen3). Tensors are dequantized one at a
+time (any quantization the ``gguf`` package can dequantize), so a loader can place each tensor into its shard
+before reading the next one. llama.cpp stores the query/key projections of ``llama`` models with their rotary
+halves interleaved; that permutation is undone here, so the returned tensors are exactly what a Hugging Face
+checkpoint would hold.
 
 Example::
 
@@ -29,6 +30,7 @@ from agentgym_jax.errors import CheckpointError
 
 _MAGIC = b"GGUF"
 
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency rope factors (Llama-3.1+ rope scaling)
 _HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
@@ -63,7 +65,7 @@ def gguf_name_to_hf(gguf_name: str) -> str:
     """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) to its Hugging Face name.
 
     Raises:
-      CheckpointError: for a tensor this reader does not know (e.g. MoE experts, ``rope_freqs``).
+      CheckpointError: for a tensor this reader does not know (e.g. MoE experts).
     """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -104,7 +106,7 @@ class GGUFCheckpoint:
                 f"{sorted(_HF_CLASSES)}. Use a Hugging Face directory of a Llama, Qwen2 or Qwen3 model."
             )
         self._tensors = {tensor.name: tensor for tensor in reader.tensors}
-        self._hf_to_gguf = {gguf_name_to_hf(name): name for name in self._tensors}
+        self._hf_to_gguf = {gguf_name_to_hf(name): name for name in self._tensors if name != ROPE_FREQS}
         self.config = self._build_config()
 
     def metadata(self, key: str, default: Any = None, required: bool = False) -> Any:
@@ -123,11 +125,6 @@ class GGUFCheckpoint:
         arch_class, model_type = _HF_CLASSES[self.architecture]
         if self._arch_field("expert_count", 0):
             raise CheckpointError(f"{self.path}: mixture-of-experts GGUF models are not supported")
-        if "rope_freqs.weight" in self._tensors:
-            raise CheckpointError(
-                f"{self.path}: this GGUF carries a 'rope_freqs' tensor (Llama-3.1-style rope scaling) whose "
-                "Hugging Face rope_scaling parameters cannot be recovered; load the model's Hugging Face directory."
-            )
         hidden = int(self._arch_field("embedding_length", required=True))
         n_heads = int(self._arch_field("attention.head_count", required=True))
         n_kv = int(self._arch_field("attention.head_count_kv", n_heads))
@@ -152,7 +149,7 @@ class GGUFCheckpoint:
             "max_position_embeddings": int(self._arch_field("context_length", required=True)),
             "rms_norm_eps": _shortest_float(self._arch_field("attention.layer_norm_rms_epsilon", required=True)),
             "rope_theta": _shortest_float(self._arch_field("rope.freq_base", 10000.0)),
-            "rope_scaling": self._rope_scaling(),
+            "rope_scaling": self._rope_scaling(head_dim),
             "vocab_size": vocab,
             "tie_word_embeddings": "output.weight" not in self._tensors,
             "initializer_range": 0.02,
@@ -177,7 +174,9 @@ class GGUFCheckpoint:
                 config[key] = int(value)
         return config
 
-    def _rope_scaling(self) -> dict[str, Any] | None:
+    def _rope_scaling(self, head_dim: int) -> dict[str, Any] | None:
+        if ROPE_FREQS in self._tensors:
+            return self._llama3_rope(head_dim)
         kind = self._arch_field("rope.scaling.type")
         if kind in (None, "none"):
             return None
@@ -185,6 +184,45 @@ class GGUFCheckpoint:
         if kind == "linear" and factor is not None:
             return {"rope_type": "linear", "factor": float(factor)}
         raise CheckpointError(f"{self.path}: GGUF rope scaling {kind!r} is not supported; use the Hugging Face directory")
+
+    def _llama3_rope(self, head_dim: int) -> dict[str, Any]:
+        """Llama-3 rope parameters recovered from llama.cpp's per-frequency ``rope_freqs`` factors.
+
+        llama.cpp stores ``factor`` for long wavelengths, 1 for short ones and ``1 / ((1 - s) / factor + s)`` in
+        between, with ``s = (original / wavelength - low) / (high - low)``. ``s`` is linear in the inverse
+        frequency, so two or more in-between factors give ``original`` and ``high`` once ``low_freq_factor`` is 1
+        (as in every released Llama-3.x); the result is checked by recomputing all factors.
+        """
+        from gguf.quants import dequantize
+
+        tensor = self._tensors[ROPE_FREQS]
+        factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float64).reshape(-1)
+        theta = float(self._arch_field("rope.freq_base", 10000.0))
+        inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        unrecoverable = CheckpointError(
+            f"{self.path}: the 'rope_freqs' tensor is not Llama-3 rope scaling this reader can recover (too few "
+            "frequencies in the transition band, or factors off the llama3 formula); load the model's Hugging Face "
+            "directory instead")
+        if self.architecture != "llama" or factors.shape != inv_freq.shape:
+            raise unrecoverable
+        factor = float(factors.max())
+        middle = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+        if factor <= 1 or middle.sum() < 2:
+            raise unrecoverable
+        smooth = (1 / factors[middle] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inv_freq[middle], smooth, 1)
+        low = 1.0
+        high = low - low / intercept
+        original = slope * 2 * np.pi * (high - low)
+        rope = {"rope_type": "llama3", "factor": _shortest_float(factor), "low_freq_factor": low,
+                "high_freq_factor": round(float(high), 4), "original_max_position_embeddings": int(round(original))}
+        wavelength = 2 * np.pi / inv_freq
+        s = np.clip((rope["original_max_position_embeddings"] / wavelength - low) / (rope["high_freq_factor"] - low),
+                    0.0, 1.0)
+        recomputed = 1 / ((1 - s) / factor + s)
+        if not np.allclose(recomputed, factors, rtol=1e-4):
+            raise unrecoverable
+        return rope
 
     @property
     def chat_template(self) -> str | None:

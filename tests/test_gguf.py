@@ -153,6 +153,60 @@ def test_tiny_gguf_round_trip_gives_identical_logits(tmp_path: Path, arch: str, 
     assert diff == 0.0
 
 
+LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def _llama_cpp_rope_factors(theta: float, head_dim: int, rope: dict) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for Llama-3 rope scaling, from the formula its converter applies."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelength = 2 * np.pi / inv_freq
+    original, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (original / wavelength - low) / (high - low)
+    factors = np.where(wavelength < original / high, 1.0, np.where(
+        wavelength > original / low, rope["factor"], 1 / ((1 - smooth) / rope["factor"] + smooth)))
+    return factors.astype(np.float32)
+
+
+def test_llama32_gguf_rope_parameters_are_recovered_from_rope_freqs(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         rope_scaling=dict(LLAMA32_ROPE), attn_implementation="eager")
+    model = LlamaForCausalLM(config).eval()
+    hf_config = model.config.to_dict()
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        array = value.numpy()
+        if ".q_proj." in name:
+            array = _llama_cpp_permute(array, 2)
+        if ".k_proj." in name:
+            array = _llama_cpp_permute(array, 1)
+        tensors[_to_gguf_name(name)] = array
+    tensors["rope_freqs.weight"] = _llama_cpp_rope_factors(500000.0, 64, LLAMA32_ROPE)
+    hf_config["rope_theta"] = 500000.0
+    path = _write_gguf(tmp_path / "llama32.gguf", "llama", hf_config, tensors)
+    checkpoint = open_gguf(path)
+    assert checkpoint.config["rope_scaling"] == LLAMA32_ROPE
+    assert "rope_freqs.weight" not in checkpoint.tensor_names()
+    from agentgym_jax import hf as hf_io
+
+    ours = hf_io.load_model(path)
+    ids = np.arange(1, 41).reshape(1, 40) % 96
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)).logits.numpy()
+    import jax.numpy as jnp
+
+    assert np.abs(np.asarray(ours(jnp.asarray(ids))) - expected).max() <= 1e-4
+    # Factors that do not follow the llama3 formula are refused, not guessed.
+    tensors["rope_freqs.weight"] = np.linspace(1, 7, 32).astype(np.float32)
+    with pytest.raises(CheckpointError, match="rope_freqs"):
+        open_gguf(_write_gguf(tmp_path / "odd.gguf", "llama", hf_config, tensors))
+
+
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((6 * 8, 5)).astype(np.float32)

@@ -172,3 +172,24 @@ def test_lora_update_with_remat_equals_without(base_dir):
     assert any(np.abs(v).max() > 0 for v in adapters[0].values())
     gaps = {k: float(np.abs(adapters[0][k] - adapters[1][k]).max()) for k in adapters[0]}
     assert max(gaps.values()) <= 1e-4, gaps  # one Adam step of 1e-2: float noise in near-zero gradients only
+
+
+def test_learner_reference_log_probs_are_the_base_models(base_dir):
+    from agentgym_jax.batch import TrajectoryBatch
+    from agentgym_jax.learner import Learner, LearnerConfig, token_logprobs
+
+    rs = np.random.RandomState(3)
+    mask = np.ones((4, 20), np.float32)
+    mask[:, :5] = 0
+    batch = TrajectoryBatch.create(
+        tokens=rs.randint(0, 256, (4, 20)).astype(np.int32), loss_mask=mask,
+        old_logp=np.where(mask > 0, -5.5, 0.0).astype(np.float32), scores=np.array([0, 1, 0, 1], np.float32),
+        group_ids=np.zeros(4, np.int32))
+    learner = Learner(_trained(base_dir), LearnerConfig(learning_rate=1e-2, kl_coef=0.01, minibatch_size=4))
+    learner.update(batch, jax.random.PRNGKey(0))  # the adapters move further; the reference must not
+    assert learner.reference_state is None  # no copy of the weights is kept
+    reference = np.asarray(learner.prepare(batch)["ref_logp"])
+    base = hf.load_model(base_dir)
+    expected = np.asarray(token_logprobs(base, jnp.asarray(batch.tokens))[0])
+    on = mask > 0
+    assert np.abs(reference[on] - expected[on]).max() <= 1e-5
