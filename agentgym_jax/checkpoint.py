@@ -107,6 +107,14 @@ class RunCheckpointer:
                     ),
                 )
             except Exception as error:  # orbax raises many types for a damaged checkpoint
+                only_saved, only_built = _structure_mismatch(str(error))
+                if only_saved or only_built:  # another model/config, not damage: older checkpoints are alike
+                    raise CheckpointError(
+                        f"checkpoint {step} in {self.directory} holds a different learner state than this config "
+                        f"builds ({len(only_saved)} entries only in the checkpoint, e.g. {only_saved[:3]}; "
+                        f"{len(only_built)} only in this config, e.g. {only_built[:3]}); use the run's own config "
+                        "(run.json in its run directory records it), including model.lora_* and algo settings"
+                    ) from None
                 logging.warning("checkpoint %d in %s cannot be restored (%s); trying the previous one",
                                 step, self.directory, error)
                 errors.append(f"step {step}: {error}")
@@ -131,3 +139,17 @@ class RunCheckpointer:
     def close(self) -> None:
         self.wait()
         self.manager.close()
+
+
+def _structure_mismatch(message: str) -> tuple[list[str], list[str]]:
+    """(keys only on disk, keys only in the restore target) from orbax's structure-mismatch message, where the
+    ``Source`` is the tree we asked for and the ``Target`` the checkpoint's."""
+    only_saved, only_built, key = [], [], None
+    for line in message.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith(":"):
+            key = line.rstrip()[:-1]
+        elif key and line.strip() == "- Target: MISSING":
+            only_built.append(key)
+        elif key and line.strip() == "- Source: MISSING":
+            only_saved.append(key)
+    return only_saved, only_built

@@ -141,6 +141,16 @@ def test_lora_run_checkpoints_only_adapters_and_resumes_exactly(tmp_path):
     finally:
         resumed.close()
     assert again.keys() == final.keys() and all(np.array_equal(again[k], final[k]) for k in final)
+    # The same checkpoints read with a config without adapters: a clear error, not orbax's tree dump.
+    from agentgym_jax.errors import CheckpointError
+
+    config.model.lora_rank, config.model.lora_targets = 0, ()
+    full = Trainer(config)
+    try:
+        with pytest.raises(CheckpointError, match=r"different learner state.*lora_a.*model\.lora_"):
+            full.maybe_resume()
+    finally:
+        full.close()
 
 
 def test_bf16_base_with_fp32_adapters(base_dir):
