@@ -161,17 +161,23 @@ def test_bf16_base_with_fp32_adapters(base_dir):
     assert np.array_equal(_logits(adapted), _logits(base))
 
 
-def test_lora_update_with_remat_equals_without(base_dir):
+def _random_batch(seed: int, rows: int, length: int, prompt: int, groups: int):
+    """A rollout-shaped batch: random tokens, the first ``prompt`` positions masked out, ``groups`` groups."""
     from agentgym_jax.batch import TrajectoryBatch
+
+    rs = np.random.RandomState(seed)
+    mask = np.ones((rows, length), np.float32)
+    mask[:, :prompt] = 0
+    return TrajectoryBatch.create(
+        tokens=rs.randint(0, 256, (rows, length)).astype(np.int32), loss_mask=mask,
+        old_logp=np.where(mask > 0, -5.5, 0.0).astype(np.float32), scores=rs.rand(rows).round().astype(np.float32),
+        group_ids=np.repeat(np.arange(groups), rows // groups).astype(np.int32))
+
+
+def test_lora_update_with_remat_equals_without(base_dir):
     from agentgym_jax.learner import Learner, LearnerConfig
 
-    rs = np.random.RandomState(0)
-    mask = np.ones((8, 24), np.float32)
-    mask[:, :4] = 0
-    batch = TrajectoryBatch.create(
-        tokens=rs.randint(0, 256, (8, 24)).astype(np.int32), loss_mask=mask,
-        old_logp=np.where(mask > 0, -5.5, 0.0).astype(np.float32), scores=rs.rand(8).astype(np.float32),
-        group_ids=np.repeat(np.arange(2), 4).astype(np.int32))
+    batch = _random_batch(0, rows=8, length=24, prompt=4, groups=2)
     adapters = []
     for remat in (False, True):
         model = hf.load_model(base_dir, lora_rank=4, lora_alpha=8.0, lora_targets=ALL)
@@ -185,16 +191,10 @@ def test_lora_update_with_remat_equals_without(base_dir):
 
 
 def test_learner_reference_log_probs_are_the_base_models(base_dir):
-    from agentgym_jax.batch import TrajectoryBatch
     from agentgym_jax.learner import Learner, LearnerConfig, token_logprobs
 
-    rs = np.random.RandomState(3)
-    mask = np.ones((4, 20), np.float32)
-    mask[:, :5] = 0
-    batch = TrajectoryBatch.create(
-        tokens=rs.randint(0, 256, (4, 20)).astype(np.int32), loss_mask=mask,
-        old_logp=np.where(mask > 0, -5.5, 0.0).astype(np.float32), scores=np.array([0, 1, 0, 1], np.float32),
-        group_ids=np.zeros(4, np.int32))
+    batch = _random_batch(3, rows=4, length=20, prompt=5, groups=1)
+    mask = batch.loss_mask
     learner = Learner(_trained(base_dir), LearnerConfig(learning_rate=1e-2, kl_coef=0.01, minibatch_size=4))
     learner.update(batch, jax.random.PRNGKey(0))  # the adapters move further; the reference must not
     assert learner.reference_state is None  # no copy of the weights is kept
