@@ -103,15 +103,16 @@ class AgentGymHTTPEnv(Environment):
         self.local_env_kwargs = dict(local_env_kwargs or {})
         self._http = session or requests.Session()
         self._env_id: int | None = None
-        self._outcome = 0.0
-        self._done = False
+        self._outcome = server_profiles.Outcome(0.0, False, False)  # the episode so far, as the profile read it
         self.last_observation = ""
 
     # -- transport ----------------------------------------------------------------------------------
 
-    def _call(self, method: str, route: str, *, payload: Any = None, params: Any = None, idempotent: bool = True) -> Any:
-        """One request; idempotent calls are retried, the others only when they never reached the server."""
-        url = f"{self.base_url}/{route}"
+    def _call(self, method: str, route: str, *, payload: Any = None, params: Any = None, idempotent: bool = True,
+              server: str | None = None) -> Any:
+        """One request to ``server`` (default: this instance's); idempotent calls are retried, the others only
+        when they never reached the server."""
+        url = f"{server or self.base_url}/{route}"
         last_error: Exception | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -124,7 +125,8 @@ class AgentGymHTTPEnv(Environment):
                     continue
                 break
             if response.status_code >= 500:
-                last_error = AgentGymServerError(f"{method} {url} -> HTTP {response.status_code}: {response.text[:300]}")
+                last_error = AgentGymServerError(
+                    f"{method} {url} -> HTTP {response.status_code}: {response.text[:300]}")
                 if not idempotent:
                     raise last_error
                 continue
@@ -181,7 +183,7 @@ class AgentGymHTTPEnv(Environment):
                 self._instruction = local.instruction()
                 local.close()
             else:
-                body = self._on_any_server(lambda: self._call("GET", "instruction"))
+                body = self._on_any_server(lambda url: self._call("GET", "instruction", server=url))
                 if not isinstance(body, str):
                     raise AgentGymProtocolError(f"/instruction answered {str(body)[:200]!r}; pass instruction=")
                 self._instruction = body
@@ -195,16 +197,16 @@ class AgentGymHTTPEnv(Environment):
                 self._tasks[split] = list(local.tasks(split))
                 local.close()
             else:
-                rows = self._on_any_server(lambda: self._call("GET", "tasks", params={"split": split}))
+                rows = self._on_any_server(lambda url: self._call("GET", "tasks", params={"split": split}, server=url))
                 self._tasks[split] = [Task(int(r["task_id"]), r["split"], r["subtask"]) for r in rows]
         return self._tasks[split]
 
-    def _on_any_server(self, call: Callable[[], Any]) -> Any:
-        """An idempotent query answered by the first server that answers (for instruction and task lists)."""
+    def _on_any_server(self, call: Callable[[str], Any]) -> Any:
+        """An idempotent query answered by the first server that answers (for instruction and task lists); the
+        instance stays bound to its own server."""
         for url in [u for u in self.urls if self.fleet.available(u)] or self.urls:
-            self.base_url, self._env_id = (url, None) if url != self.base_url else (url, self._env_id)
             try:
-                return call()
+                return call(url)
             except AgentGymUnavailableError:
                 self.fleet.mark_down(url)
                 last = url
@@ -253,7 +255,7 @@ class AgentGymHTTPEnv(Environment):
             body = self._expect(body, ["observation"], "reset")
             observation, info = body["observation"], dict(body.get("info") or {})
         self.last_observation = observation
-        self._outcome, self._done = 0.0, False
+        self._outcome = server_profiles.Outcome(0.0, False, False)
         info["env_server"] = self.base_url
         return observation, info
 
@@ -263,8 +265,8 @@ class AgentGymHTTPEnv(Environment):
     def step(self, action_text: str) -> StepResult:
         extraction = self.profile.extract(action_text)
         if extraction.action is None:  # what the original client does: answer locally, send nothing
-            info = {"action_sent": None, "success": self._outcome > 0 and self._done, "invalid_format": True}
-            return StepResult(extraction.local_observation, self._outcome, self._done, info)
+            info = {"action_sent": None, "success": self._outcome.success, "invalid_format": True}
+            return StepResult(extraction.local_observation, self._outcome.score, self._outcome.done, info)
         try:
             body = self._call("POST", "step", payload=self._with_id({"action": extraction.action}), idempotent=False)
         except AgentGymUnavailableError as error:
@@ -276,8 +278,7 @@ class AgentGymHTTPEnv(Environment):
                 f"env server {url} stopped answering during this episode ({error}); the episode is lost and the "
                 f"server is out of rotation for {self.fleet.retry_after_s:g} s") from None
         body = self._expect(body, ["observation"], "step")
-        outcome = self.profile.outcome(body, self._outcome)
-        self._outcome, self._done = outcome.score, outcome.done
+        outcome = self._outcome = self.profile.outcome(body, self._outcome.score)
         self.last_observation = body["observation"]
         info = dict(body.get("info")) if isinstance(body.get("info"), dict) else {}
         info.update(action_sent=extraction.action, success=outcome.success, env_server=self.base_url)
