@@ -4,10 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
 MODEL_STAMP := $(VENV)/.default-model-prepared
+SEARCHQA_STAMP := $(VENV)/.searchqa-generated
 
 .PHONY: setup model test test-fast demo bench bazel-test clean-venv
 
-setup: $(STAMP) $(MODEL_STAMP)
+setup: $(STAMP) $(MODEL_STAMP) $(SEARCHQA_STAMP)
 
 # One pip call for runtime and test pins, so transformers/accelerate resolve against the pinned CPU torch.
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
@@ -25,6 +26,11 @@ $(MODEL_STAMP): $(STAMP)
 
 model: $(MODEL_STAMP)
 
+# The Deep Search env's generated corpus, questions and bm25 index, built into the cache once (~10 s).
+$(SEARCHQA_STAMP): $(STAMP) environments/searchqa/knowledge.py
+	$(PY) -m environments.searchqa.build
+	touch $@
+
 test: setup
 	$(PY) -m pytest -q tests
 
@@ -36,6 +42,7 @@ bench: setup
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.envs
 	$(PY) -m benchmarks.rollout
+	$(PY) -m benchmarks.retrieval
 
 bazel-test: setup
 	bazel test --python_path=$(abspath $(PY)) //...

@@ -426,6 +426,17 @@ class ChatTokenizer:
         """Text forms of the stop tokens (for samplers that match strings)."""
         return tuple(self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids)))
 
+    def stop_sequences(self, texts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Token sequences that end a turn when sampled: each text as encoded alone and after a space (the two
+        ways a model usually writes it). Another split of the same characters is not caught."""
+        sequences: dict[tuple[int, ...], None] = {}
+        for text in texts:
+            if not text:
+                raise TokenizerError("an empty stop string would end every turn at once; remove it")
+            for variant in (text, " " + text):
+                sequences[tuple(int(i) for i in self.tokenizer.encode(variant, add_special_tokens=False))] = None
+        return tuple(sequences)
+
     def newline_token_ids(self) -> tuple[int, ...]:
         """Ids of every ordinary token whose text contains a line break (stop ids that end a turn at its first
         line; special tokens excluded)."""

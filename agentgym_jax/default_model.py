@@ -181,8 +181,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    """Serialize conversions of the same target across processes."""
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """Holds an exclusive file lock on ``lock_path`` (serializes one-time builds across processes)."""
     with lock_path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -202,7 +202,7 @@ def prepare_default_model(force: bool = False) -> Path:
         return target
     source = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+    with exclusive_lock(target.parent / f".{target.name}.lock"):
         if is_complete(target) and not force:
             return target  # another process finished while we waited
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

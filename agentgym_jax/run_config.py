@@ -38,6 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
         max_turn_tokens=512, max_trajectory_tokens=4096, temperature=1.0, top_p=1.0, top_k=0,
         system_prompt="", canned_reply="OK. I'll follow your instructions and try my best to solve the task.",
         response_prefix="", stop_at_newline=False,
+        stop_strings=(),  # text that ends a turn, e.g. ("</search>", "</answer>") for searchqa (chat.stop_sequences)
     )
     c.horizon = dict(type="fixed", turns=20, rounds=(6, 13, 20), steps_per_stage=100, stage_starts=(), start=1, end=1,
                      increment=1)
@@ -141,6 +142,8 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
     _require(rollout.max_turn_tokens >= 1, "rollout.max_turn_tokens", f"must be >= 1, got {rollout.max_turn_tokens}")
     _require(rollout.max_trajectory_tokens > rollout.max_turn_tokens, "rollout.max_trajectory_tokens",
              "must exceed rollout.max_turn_tokens")
+    _require(all(isinstance(t, str) and t for t in rollout.stop_strings), "rollout.stop_strings",
+             f"must be non-empty strings, got {tuple(rollout.stop_strings)}")
     _require(rollout.temperature >= 0, "rollout.temperature", f"must be >= 0, got {rollout.temperature}")
     _require(rollout.temperature == 0 or config.algo.temperature == rollout.temperature, "algo.temperature",
              f"is {config.algo.temperature} but rollout.temperature is {rollout.temperature}; the learner scores "
@@ -184,7 +187,7 @@ def accelerator_config(env_name: str, variant: str) -> ml_collections.ConfigDict
 # Estimated (not measured: no accelerator was available when this was written) seconds per GRPO step of the
 # `:gpu` recipes on one H100/H200-class GPU with Qwen2.5-1.5B-Instruct; sampling dominates (one decode step of
 # 128 rows ~15-25 ms in bf16 over the turn budget), the update ~20-40 s. Scale roughly with the model size.
-GPU_STEP_SECONDS_ESTIMATE = {"babyai": 150, "textcraft": 300, "sciworld": 200}
+GPU_STEP_SECONDS_ESTIMATE = {"babyai": 150, "textcraft": 300, "sciworld": 200, "searchqa": 120}
 
 
 def single_accelerator(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -74,6 +74,7 @@ class Trainer:
             stop_ids += self.chat.newline_token_ids()
         self.sampler = Sampler(
             model, SamplerConfig(cache_length=cache_length, stop_token_ids=stop_ids,
+                                 stop_sequences=self.chat.stop_sequences(tuple(config.rollout.stop_strings)),
                                  cache_dtype=config.model.dtype,
                                  logprob_temperature=float(config.algo.temperature),
                                  window_buckets=tuple(b for b in LENGTH_BUCKETS if b < cache_length),
@@ -286,6 +287,7 @@ class Trainer:
             **({"env_server": self.pool.env_kwargs.get("base_url"), "env_profile": self.pool.env_kwargs.get("profile")}
                if self.config.env.remote else {}),
             "response_prefix": rollout.response_prefix, "stop_at_newline": bool(rollout.stop_at_newline),
+            "stop_strings": list(rollout.stop_strings),
             "greedy": bool(greedy), "temperature": 0.0 if greedy else float(rollout.temperature),
             "top_p": float(rollout.top_p), "top_k": int(rollout.top_k), "horizon": int(horizon),
             "max_turn_tokens": int(rollout.max_turn_tokens), "system_prompt": rollout.system_prompt,

@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "envs.json"
 EPISODES_PER_WORKER = {"sciworld": 1}  # default 2; every SciWorld episode holds a JVM of its own
 ENV_KWARGS: dict[str, dict[str, Any]] = {"sciworld": {"generate_gold_path": True}}
-PADDING = {"textcraft": "inventory", "sciworld": "look around", "babyai": "turn left"}
+PADDING = {"textcraft": "inventory", "sciworld": "look around", "babyai": "turn left",
+           "searchqa": "<search>population of the capital</search>"}
 BABYAI_CYCLE = ["turn left", "move forward", "turn right", "move forward"]
 RESET_ON_DONE = {"babyai"}
 FLEET_WORKERS, FLEET_EPISODES_PER_WORKER = 2, 3  # 6 episodes per batch over 1 or 3 servers  # the others accept steps after the goal, so an episode just goes on
@@ -49,6 +50,9 @@ def _turns(env_name: str, info: dict[str, Any], goal_book: Environment | None, l
         plan = solve(goal_book.book, info["goal"])
     elif env_name == "sciworld":
         plan = list(info["gold_actions"])
+    elif env_name == "searchqa":
+        question = goal_book.questions[info["task_id"]]
+        plan = [f"<search>{query}</search>" for query in question.gold_queries]
     else:
         plan = BABYAI_CYCLE * (length // len(BABYAI_CYCLE) + 1)
     plan = (plan + [PADDING.get(env_name, "look")] * length)[:length]
@@ -147,7 +151,7 @@ def bench_env(env_name: str, steps: int, repeats: int, workers: list[int]) -> di
     kwargs = ENV_KWARGS.get(env_name, {})
     env = make_env(env_name, **kwargs)
     task_ids = [t.task_id for t in env.tasks("test")][:: max(1, len(env.tasks("test")) // 8)][:8]
-    helper = env if env_name == "textcraft" else None
+    helper = env if env_name in ("textcraft", "searchqa") else None
     env.reset(task_ids[0])  # start any JVM before timing
     rate = _median([_sequential(env, env_name, task_ids, steps, helper) for _ in range(repeats)])
     env.close()
@@ -218,7 +222,8 @@ def main() -> None:
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "task_ids"}), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    earlier = json.loads(out.read_text()) if out.is_file() else {}  # envs not measured now keep their entries
+    out.write_text(json.dumps({**earlier, **results}, indent=2, sort_keys=True) + "\n")
     print(f"wrote {out}")
 
 

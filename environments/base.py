@@ -95,7 +95,8 @@ def _import_builtin_environments() -> None:
     # Importing a package registers its environment. Missing optional packages only matter when used.
     import importlib
 
-    for module in ("environments.babyai", "environments.textcraft", "environments.sciworld", "environments.agentgym_http"):
+    for module in ("environments.babyai", "environments.textcraft", "environments.sciworld", "environments.searchqa",
+                   "environments.agentgym_http"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as error:  # the package itself not written yet, or its dependency absent

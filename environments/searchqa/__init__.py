@@ -1,0 +1,5 @@
+"""Deep Search (SearchQA); importing this registers ``"searchqa"``."""
+
+from environments.searchqa.env import INSTRUCTION, SearchQA
+
+__all__ = ["INSTRUCTION", "SearchQA"]
