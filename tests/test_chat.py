@@ -364,3 +364,14 @@ def test_missing_tokenizer_directory(tmp_path: Path) -> None:
 def test_bad_messages(smol: ChatTokenizer, messages, match: str) -> None:
     with pytest.raises(TokenizerError, match=match):
         smol.render(messages)
+
+
+def test_stop_strings_become_the_token_sequences_a_model_writes(smol: ChatTokenizer) -> None:
+    sequences = smol.stop_sequences(("</search>", "</answer>"))
+    decoded = {smol.tokenizer.decode(list(s)) for s in sequences}
+    assert decoded == {"</search>", " </search>", "</answer>", " </answer>"}
+    for text in ("<search>capital of France</search>", "query </search>"):  # how it appears inside a turn
+        ids = smol.tokenizer.encode(text, add_special_tokens=False)
+        assert any(tuple(ids[-len(s):]) == s for s in sequences), text
+    with pytest.raises(TokenizerError, match="empty stop string"):
+        smol.stop_sequences(("",))
