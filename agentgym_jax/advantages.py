@@ -20,7 +20,6 @@ by name with :func:`get_estimator` or call :func:`compute_advantages`.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any, Callable, Mapping
 
@@ -28,7 +27,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentgym_jax.registry import Entry, Registry
+
 Array = jax.Array
+# Batch fields an estimator may require (the rest of its parameters are options; see agentgym_jax/registry.py).
+# turn_ids [B, T]: each agent token's turn (-1 elsewhere); step_rewards / step_states [B, S]: per turn, the
+# reward it earned and an id of the environment state it acted in (-1 past the row's last turn).
+BATCH_FIELDS = ("scores", "loss_mask", "group_ids", "values", "old_logp", "ref_logp", "turn_ids", "step_rewards",
+                "step_states")
+ESTIMATORS: Registry = Registry("advantage estimator", inputs=BATCH_FIELDS)
+register_estimator = ESTIMATORS.register
 
 WHITEN_EPS = 1e-8
 GRPO_EPS = 1e-6
@@ -109,6 +117,14 @@ def k1_reward_penalty(old_logp: Array, ref_logp: Array, loss_mask: Array, kl_coe
     return jnp.where(on, -kl_coef * kl, 0.0).astype(jnp.float32)
 
 
+def overlong_penalty(agent_tokens: np.ndarray, max_tokens: int, buffer: int, penalty: float = 1.0) -> np.ndarray:
+    """DAPO's soft overlong punishment per trajectory: 0 up to ``max_tokens - buffer`` agent tokens, then growing
+    linearly to ``penalty`` at ``max_tokens`` (and staying there beyond it). Subtract it from the scores."""
+    start = max_tokens - buffer
+    over = (np.asarray(agent_tokens, np.float32) - start) / float(buffer)
+    return (penalty * np.clip(over, 0.0, 1.0)).astype(np.float32)
+
+
 def _broadcast_to_mask(per_row: Array, loss_mask: Array) -> Array:
     return jnp.where(_is_on(loss_mask), per_row[:, None], 0.0).astype(jnp.float32)
 
@@ -133,13 +149,14 @@ def _group_stats(scores: Array, group_ids: Array, valid: Array) -> tuple[Array, 
 # --------------------------------------------------------------------------------------------------------------
 
 
+@ESTIMATORS.register("grpo", requires=("scores", "loss_mask", "group_ids"))
 def grpo_advantages(
     *,
     scores: Array,
     loss_mask: Array,
     group_ids: Array,
     normalize_std: bool = True,
-    eps: float = GRPO_EPS,
+    std_eps: float = GRPO_EPS,
 ) -> tuple[Array, Array]:
     """GRPO: ``(s - group mean) / (group std + eps)`` with the unbiased std, broadcast to agent tokens.
 
@@ -152,11 +169,12 @@ def grpo_advantages(
     mean = jnp.where(multi, total / jnp.maximum(count, 1.0), 0.0)
     std = jnp.where(multi, jnp.sqrt(sq_dev / jnp.maximum(count - 1.0, 1.0)), 1.0)
     centered = scores.astype(jnp.float32) - mean
-    per_row = centered / (std + eps) if normalize_std else centered
+    per_row = centered / (std + std_eps) if normalize_std else centered
     advantages = _broadcast_to_mask(jnp.where(valid, per_row, 0.0), loss_mask)
     return advantages, advantages
 
 
+@ESTIMATORS.register("rloo", requires=("scores", "loss_mask", "group_ids"), min_group_size=2)
 def rloo_advantages(*, scores: Array, loss_mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """RLOO: ``s_i - mean_{j != i} s_j`` within the group, broadcast to agent tokens.
 
@@ -196,6 +214,7 @@ def discounted_agent_returns(token_rewards: Array, loss_mask: Array, gamma: floa
     return _reverse_scan(step, init, (rewards, on))
 
 
+@ESTIMATORS.register("reinforce_pp", requires=("scores", "loss_mask"))
 def reinforce_pp_advantages(
     *,
     scores: Array,
@@ -203,24 +222,24 @@ def reinforce_pp_advantages(
     old_logp: Array | None = None,
     ref_logp: Array | None = None,
     gamma: float = 1.0,
-    kl_coef: float = 0.001,
+    reward_kl_coef: float = 0.0,
 ) -> tuple[Array, Array]:
-    """REINFORCE++: whitened discounted return of (score on last agent token - kl_coef * k1 per agent token).
+    """REINFORCE++: whitened discounted return of (score on last agent token - reward_kl_coef * k1 per token).
 
     The return runs over agent tokens only (environment tokens are transparent) and is whitened over the batch
-    mask. Returns ``(whitened advantages, raw returns)``. ``kl_coef=0`` needs no log-probs.
+    mask. Returns ``(whitened advantages, raw returns)``. ``reward_kl_coef=0`` needs no log-probs.
     """
     rewards = outcome_token_rewards(scores, loss_mask)
-    if kl_coef != 0.0:
+    if reward_kl_coef != 0.0:
         if old_logp is None or ref_logp is None:
-            raise AdvantageError(
-                f"reinforce_pp with kl_coef={kl_coef} needs old_logp and ref_logp; pass them or set kl_coef=0."
-            )
-        rewards = rewards + k1_reward_penalty(old_logp, ref_logp, loss_mask, kl_coef)
+            raise AdvantageError(f"reinforce_pp with reward_kl_coef={reward_kl_coef} needs old_logp and ref_logp; "
+                                 "pass them or set it to 0.")
+        rewards = rewards + k1_reward_penalty(old_logp, ref_logp, loss_mask, reward_kl_coef)
     returns = discounted_agent_returns(rewards, loss_mask, gamma)
     return masked_whiten(returns, loss_mask), returns
 
 
+@ESTIMATORS.register("gae", requires=("scores", "loss_mask", "values"), uses_critic=True)
 def gae_advantages(
     *,
     scores: Array,
@@ -230,23 +249,24 @@ def gae_advantages(
     ref_logp: Array | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
-    whiten: bool = True,
-    kl_coef: float = 0.0,
+    whiten_advantages: bool = True,
+    reward_kl_coef: float = 0.0,
 ) -> tuple[Array, Array]:
     """GAE over agent tokens only, for PPO with a critic.
 
     Environment tokens are transparent: the next value and the running GAE carry across them unchanged, and
     values are read only at agent positions. The score is the reward of the last agent token, whose next value
-    is 0. ``kl_coef > 0`` subtracts ``kl_coef * (old_logp - ref_logp)`` from each agent token's reward.
-    Returns ``(advantages, returns)`` with ``returns = advantages + values`` (before whitening) on the mask;
-    advantages are whitened over the mask unless ``whiten=False``.
+    is 0. ``reward_kl_coef > 0`` subtracts ``reward_kl_coef * (old_logp - ref_logp)`` from each agent token's
+    reward. Returns ``(advantages, returns)`` with ``returns = advantages + values`` (before whitening) on the
+    mask; advantages are whitened over the mask unless ``whiten_advantages=False``.
     """
     on = _is_on(loss_mask)
     rewards = outcome_token_rewards(scores, loss_mask)
-    if kl_coef != 0.0:
+    if reward_kl_coef != 0.0:
         if old_logp is None or ref_logp is None:
-            raise AdvantageError(f"gae with kl_coef={kl_coef} needs old_logp and ref_logp; pass them or set kl_coef=0.")
-        rewards = rewards + k1_reward_penalty(old_logp, ref_logp, loss_mask, kl_coef)
+            raise AdvantageError(f"gae with reward_kl_coef={reward_kl_coef} needs old_logp and ref_logp; pass them "
+                                 "or set it to 0.")
+        rewards = rewards + k1_reward_penalty(old_logp, ref_logp, loss_mask, reward_kl_coef)
     safe_values = jnp.where(on, values, 0.0).astype(jnp.float32)
 
     def step(carry: tuple[Array, Array], x: tuple[Array, Array, Array]) -> tuple[tuple[Array, Array], Array]:
@@ -260,53 +280,21 @@ def gae_advantages(
     zeros = jnp.zeros(rewards.shape[0], jnp.float32)
     advantages = _reverse_scan(step, (zeros, zeros), (rewards, safe_values, on))
     returns = jnp.where(on, advantages + safe_values, 0.0)
-    if whiten:
+    if whiten_advantages:
         advantages = masked_whiten(advantages, loss_mask)
     return advantages, returns
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Registry
+# Registry access
 # --------------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class AdvantageEstimator:
-    """A named estimator: its function, the batch fields it requires and the smallest group size it accepts."""
-
-    name: str
-    fn: Callable[..., tuple[Array, Array]]
-    required_fields: tuple[str, ...]
-    min_group_size: int = 1
-    uses_critic: bool = False
-
-    def options(self) -> tuple[str, ...]:
-        """Names of the keyword options (hyperparameters and optional fields) the estimator accepts."""
-        params = inspect.signature(self.fn).parameters
-        return tuple(name for name in params if name not in self.required_fields)
-
-
-BATCH_FIELDS = ("scores", "loss_mask", "group_ids", "values", "old_logp", "ref_logp")
-
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    est.name: est
-    for est in (
-        AdvantageEstimator("grpo", grpo_advantages, ("scores", "loss_mask", "group_ids")),
-        AdvantageEstimator("rloo", rloo_advantages, ("scores", "loss_mask", "group_ids"), min_group_size=2),
-        AdvantageEstimator("reinforce_pp", reinforce_pp_advantages, ("scores", "loss_mask")),
-        AdvantageEstimator("gae", gae_advantages, ("scores", "loss_mask", "values"), uses_critic=True),
-    )
-}
-
-
-def get_estimator(name: str) -> AdvantageEstimator:
+def get_estimator(name: str) -> Entry:
     """The estimator registered as ``name``; raises :class:`AdvantageError` listing the valid names."""
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        raise AdvantageError(
-            f"Unknown advantage estimator {name!r}; valid names: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}."
-        ) from None
+    if name not in ESTIMATORS:
+        raise AdvantageError(f"Unknown advantage estimator {name!r}; valid names: {', '.join(ESTIMATORS.names())}.")
+    return ESTIMATORS.get(name)
 
 
 def compute_advantages(name: str, **kwargs: Any) -> tuple[Array, Array]:
@@ -318,10 +306,10 @@ def compute_advantages(name: str, **kwargs: Any) -> tuple[Array, Array]:
     ``jax.jit(functools.partial(compute_advantages, "gae", lam=0.95))``.
     """
     estimator = get_estimator(name)
-    missing = [f for f in estimator.required_fields if kwargs.get(f) is None]
+    missing = [f for f in estimator.requires if kwargs.get(f) is None]
     if missing:
         raise AdvantageError(f"Estimator {name!r} needs batch field(s) {missing}; got {sorted(kwargs)}.")
-    accepted = set(estimator.required_fields) | set(estimator.options())
+    accepted = set(inspect.signature(estimator.fn).parameters)
     unknown = sorted(set(kwargs) - accepted - set(BATCH_FIELDS))
     if unknown:
         raise AdvantageError(f"Estimator {name!r} does not accept {unknown}; it accepts {sorted(accepted)}.")
@@ -361,7 +349,7 @@ def check_estimator_inputs(name: str, group_ids: np.ndarray | None, loss_mask: n
 
 def estimator_names() -> tuple[str, ...]:
     """The registered estimator names."""
-    return tuple(sorted(ADVANTAGE_ESTIMATORS))
+    return ESTIMATORS.names()
 
 
 def advantage_stats(advantages: Array, returns: Array, loss_mask: Array) -> Mapping[str, Array]:
@@ -374,3 +362,6 @@ def advantage_stats(advantages: Array, returns: Array, loss_mask: Array) -> Mapp
         stats[f"{label}/max"] = jnp.max(jnp.where(on, x, -jnp.inf))
         stats[f"{label}/min"] = jnp.min(jnp.where(on, x, jnp.inf))
     return stats
+
+
+from agentgym_jax import gigpo as _gigpo  # noqa: E402,F401  (registers "gigpo")

@@ -12,6 +12,12 @@ One row per trajectory, ``[B, T]`` right-padded:
 * ``group_ids`` int32 ``[B]``: trajectories sampled for the same task share an id (GRPO/RLOO groups);
 * ``valid`` float32 ``[B]``: 0 for padding rows added to fill a shape bucket; they take part in no statistic.
 
+Optional, for step-level estimators (GiGPO), ``S`` the most turns of any row:
+
+* ``turn_ids`` int32 ``[B, T]``: the turn each agent token belongs to (0-based), -1 elsewhere;
+* ``step_rewards`` float32 ``[B, S]``: the reward each turn earned (increments of the outcome score);
+* ``step_states`` int32 ``[B, S]``: an id of the environment state each turn acted in, -1 past the last turn.
+
 Attention is causal over each row; since rows are right-padded, a real token never attends to padding, so no
 separate attention mask is needed. Reference log-probs and critic values are computed by the learner itself.
 """
@@ -42,6 +48,9 @@ class TrajectoryBatch:
     scores: Any
     group_ids: Any
     valid: Any
+    turn_ids: Any = None
+    step_rewards: Any = None
+    step_states: Any = None
 
     @classmethod
     def create(
@@ -52,10 +61,14 @@ class TrajectoryBatch:
         group_ids: Any,
         old_logp: Any | None = None,
         valid: Any | None = None,
+        turn_ids: Any | None = None,
+        step_rewards: Any | None = None,
+        step_states: Any | None = None,
     ) -> "TrajectoryBatch":
         """A validated numpy batch; ``old_logp`` defaults to zeros and ``valid`` to all ones."""
         tokens = np.asarray(tokens)
         rows = tokens.shape[0] if tokens.ndim else 0
+        optional = lambda x, dtype: None if x is None else np.asarray(x, dtype)  # noqa: E731
         batch = cls(
             tokens=tokens.astype(np.int32),
             loss_mask=np.asarray(loss_mask, np.float32),
@@ -63,6 +76,8 @@ class TrajectoryBatch:
             scores=np.asarray(scores, np.float32),
             group_ids=np.asarray(group_ids).astype(np.int32),
             valid=np.ones((rows,), np.float32) if valid is None else np.asarray(valid, np.float32),
+            turn_ids=optional(turn_ids, np.int32), step_rewards=optional(step_rewards, np.float32),
+            step_states=optional(step_states, np.int32),
         )
         batch.validate()
         return batch
@@ -155,6 +170,18 @@ class TrajectoryBatch:
         valid = np.asarray(self.valid)
         if not np.isin(valid, (0.0, 1.0)).all():
             raise BatchError("valid must hold only 0 (padding row) and 1 (real trajectory)")
+        steps = [name for name in ("turn_ids", "step_rewards", "step_states") if getattr(self, name) is not None]
+        if steps and len(steps) != 3:
+            raise BatchError(f"turn_ids, step_rewards and step_states go together; got only {steps}")
+        if steps:
+            if np.shape(self.turn_ids) != (rows, length):
+                raise BatchError(f"turn_ids must have the shape of tokens {(rows, length)}, got {np.shape(self.turn_ids)}")
+            if np.ndim(self.step_rewards) != 2 or np.shape(self.step_rewards) != np.shape(self.step_states) \
+                    or np.shape(self.step_rewards)[0] != rows:
+                raise BatchError(f"step_rewards and step_states must both be [B, S] with B={rows}, got "
+                                 f"{np.shape(self.step_rewards)} and {np.shape(self.step_states)}")
+            if int(np.max(self.turn_ids, initial=-1)) >= np.shape(self.step_rewards)[1]:
+                raise BatchError("turn_ids refer to turns beyond step_rewards' S columns")
 
     def effective_loss_mask(self) -> np.ndarray:
         """``loss_mask`` with padding rows (``valid == 0``) zeroed, as a numpy array."""
@@ -176,10 +203,10 @@ class TrajectoryBatch:
         def grow(x: np.ndarray, fill: float) -> np.ndarray:
             return np.concatenate([x, np.full((extra,) + x.shape[1:], fill, x.dtype)])
 
-        return TrajectoryBatch(
-            tokens=grow(batch.tokens, 0), loss_mask=grow(batch.loss_mask, 0), old_logp=grow(batch.old_logp, 0),
-            scores=grow(batch.scores, 0), group_ids=grow(batch.group_ids, -1), valid=grow(batch.valid, 0),
-        )
+        fills = dict(tokens=0, loss_mask=0, old_logp=0, scores=0, group_ids=-1, valid=0, turn_ids=-1,
+                     step_rewards=0, step_states=-1)
+        return TrajectoryBatch(**{name: None if getattr(batch, name) is None else grow(getattr(batch, name), fill)
+                                  for name, fill in fills.items()})
 
     def select(self, rows: Sequence[int] | np.ndarray) -> "TrajectoryBatch":
         """The rows at ``rows`` (numpy indexing), as a new numpy batch."""

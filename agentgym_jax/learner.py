@@ -46,9 +46,9 @@ from agentgym_jax.learner_config import (  # noqa: F401 - re-exported: the learn
 )
 from agentgym_jax.model import DecoderLM, abstract_model
 from agentgym_jax.policy_objective import (  # noqa: F401 - re-exported for callers of the learner module
-    AGENT_POSITION_BUCKETS, _accumulated_grads, _keep_if, agent_positions, loss_denominator, policy_loss,
-    policy_loss_terms, selected_logprobs, to_token_positions, token_logprobs, token_logprobs_from_logits,
-    unembedding, value_loss,
+    AGENT_POSITION_BUCKETS, TrainingBatch, _accumulated_grads, _keep_if, agent_positions, loss_denominator,
+    policy_loss, policy_loss_terms, selected_logprobs, to_token_positions, token_logprobs,
+    token_logprobs_from_logits, unembedding, value_loss,
 )
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,6 @@ EXPERIENCE_NAME = "_learner_experience"
 # --------------------------------------------------------------------------------------------------------------
 # The learner
 # --------------------------------------------------------------------------------------------------------------
-
-
-POLICY_FIELDS = ("tokens", "positions", "loss_mask", "old_logp", "advantages")
-CRITIC_FIELDS = ("tokens", "loss_mask", "old_values", "returns")
 
 
 class Learner:
@@ -189,23 +185,20 @@ class Learner:
         critic_shardings = self._shardings(self._critic)
 
         def _learner_train_step(
-            policy: Any, opt_state: Any, critic: Any, critic_opt: Any, stack: dict[str, Array], step: Array
+            policy: Any, opt_state: Any, critic: Any, critic_opt: Any, stack: TrainingBatch, step: Array
         ) -> tuple[Any, Any, Any, Any, dict[str, Array]]:
-            mask = stack["loss_mask"]
+            mask = stack.loss_mask
             denominator = loss_denominator(config.loss_aggregation, mask.reshape(-1, mask.shape[-1]))
-            policy_stack = {k: stack[k] for k in POLICY_FIELDS + (("ref_logp",) if "ref_logp" in stack else ())}
             trainable, fixed = split_trainable(policy)
-            grads, aux = _accumulated_grads(policy_loss_fn, train_graphdef, trainable, policy_stack, denominator,
-                                            fixed)
+            grads, aux = _accumulated_grads(policy_loss_fn, train_graphdef, trainable, stack, denominator, fixed)
             grad_norm = optax.tree.norm(grads)
             updates, new_opt = optimizer.update(grads, opt_state, trainable)
             new_trainable = optax.apply_updates(trainable, updates)
             finite = jnp.isfinite(aux["total_loss"]) & jnp.isfinite(grad_norm)
             metrics = dict(aux, grad_norm=grad_norm, lr=schedule(step))
             if uses_critic:
-                critic_stack = {k: stack[k] for k in CRITIC_FIELDS}
                 critic_grads, critic_aux = _accumulated_grads(
-                    value_loss_fn, critic_graphdef, critic, critic_stack, denominator
+                    value_loss_fn, critic_graphdef, critic, stack, denominator
                 )
                 critic_norm = optax.tree.norm(critic_grads)
                 critic_updates, new_critic_opt = critic_optimizer.update(critic_grads, critic_opt, critic)
@@ -228,18 +221,8 @@ class Learner:
 
         self._experience = jax.jit(_learner_experience)
         self._train_step = jax.jit(_learner_train_step, donate_argnums=(0, 1, 2, 3) if config.donate else ())
-        self._advantages = jax.jit(
-            functools.partial(adv_lib.compute_advantages, config.advantage_estimator, **self._estimator_options())
-        )
-
-    def _estimator_options(self) -> dict[str, Any]:
-        config = self.config
-        wanted = dict(
-            normalize_std=config.normalize_std, gamma=config.gamma, lam=config.lam, whiten=config.whiten_advantages,
-            kl_coef=config.kl_coef if config.kl_in_reward else 0.0,
-        )
-        accepted = self._estimator.options()
-        return {k: v for k, v in wanted.items() if k in accepted}
+        self._advantages = jax.jit(functools.partial(
+            adv_lib.compute_advantages, config.advantage_estimator, **config.resolved_estimator_options()))
 
     def _commit(self, tree: Any) -> Any:
         """Pins every array to its device(s), so jit sees the same argument placement on every call."""
@@ -292,16 +275,17 @@ class Learner:
             adv_lib.check_estimator_inputs(self.config.advantage_estimator, np.asarray(batch.group_ids), mask)
         except adv_lib.AdvantageError as error:
             raise BatchError(str(error)) from None
+        if "step_states" in self._estimator.requires and batch.step_states is None:
+            raise BatchError(f"advantage_estimator={self.config.advantage_estimator!r} needs per-turn data "
+                             "(turn_ids, step_rewards, step_states); build the batch with rollout.pack_trajectories")
         return mask
 
     # ---------------------------------------------------------------------------------------- experience
 
-    def prepare(self, batch: TrajectoryBatch) -> dict[str, np.ndarray]:
-        """The per-token training inputs of a batch (host arrays [B, T], or [B] for ``scores``).
-
-        ``loss_mask`` (padding rows zeroed), ``old_logp``, ``ref_logp``, ``old_values`` (critic), ``advantages``,
-        ``returns``. Runs the experience forward one micro-batch at a time, then the estimator on the whole batch.
-        """
+    def prepare(self, batch: TrajectoryBatch) -> TrainingBatch:
+        """The per-token training inputs of a batch (host arrays): the experience forward one micro-batch at a
+        time (reference log-probs, recomputed old log-probs, critic values), reward shaping, then the estimator on
+        the whole batch."""
         batch = batch.to_numpy()
         mask = self._check(batch)
         _, micro = self._sizes(batch)
@@ -317,23 +301,23 @@ class Learner:
                     parts.setdefault(key, []).append(np.asarray(value))
         experience = {k: np.concatenate(v) for k, v in parts.items()}
         on = mask > 0
-        old_logp = np.where(on, experience.get("old_logp", batch.old_logp), 0.0).astype(np.float32)
-        fields: dict[str, Any] = dict(
-            scores=batch.scores, loss_mask=mask, group_ids=batch.group_ids, old_logp=old_logp,
-        )
-        if "ref_logp" in experience:
-            fields["ref_logp"] = np.where(on, experience["ref_logp"], 0.0).astype(np.float32)
-        if "values" in experience:
-            fields["values"] = np.where(on, experience["values"], 0.0).astype(np.float32)
+        on_mask = lambda x: None if x is None else np.where(on, x, 0.0).astype(np.float32)  # noqa: E731
+        old_logp = on_mask(experience.get("old_logp", batch.old_logp))
+        ref_logp, values = on_mask(experience.get("ref_logp")), on_mask(experience.get("values"))
+        scores = batch.scores
+        config = self.config
+        if config.overlong_buffer:
+            scores = scores - adv_lib.overlong_penalty(mask.sum(axis=-1), config.overlong_max_tokens,
+                                                       config.overlong_buffer, config.overlong_penalty)
+        inputs = dict(scores=scores, loss_mask=mask, group_ids=batch.group_ids, old_logp=old_logp,
+                      ref_logp=ref_logp, values=values, turn_ids=batch.turn_ids, step_rewards=batch.step_rewards,
+                      step_states=batch.step_states)
         with sharding.use_mesh(self.mesh):
-            advantages, returns = jax.device_get(self._advantages(**fields))
-        prepared = dict(tokens=tokens, positions=positions, loss_mask=mask, old_logp=old_logp, advantages=np.asarray(advantages),
-                        returns=np.asarray(returns), scores=batch.scores, valid=batch.valid)
-        if "ref_logp" in fields:
-            prepared["ref_logp"] = fields["ref_logp"]
-        if "values" in fields:
-            prepared["old_values"] = fields["values"]
-        return prepared
+            advantages, returns = jax.device_get(self._advantages(**{k: v for k, v in inputs.items()
+                                                                     if v is not None}))
+        return TrainingBatch(tokens=tokens, positions=positions, loss_mask=mask, old_logp=old_logp,
+                             advantages=np.asarray(advantages), returns=np.asarray(returns), scores=scores,
+                             valid=batch.valid, ref_logp=ref_logp, old_values=values)
 
     # ---------------------------------------------------------------------------------------- update
 
@@ -351,21 +335,16 @@ class Learner:
         started = time.perf_counter()
         prepared = self.prepare(batch)
         minibatch, micro = self._sizes(batch)
-        rows, length = prepared["tokens"].shape
+        rows, length = prepared.tokens.shape
         num_minibatches = rows // minibatch
-        real_rows = prepared["loss_mask"].any(axis=-1)
-        fields = POLICY_FIELDS + tuple(k for k in ("ref_logp",) if k in prepared)
-        if self.config.uses_critic:
-            fields = fields + ("old_values", "returns")
+        real_rows = prepared.loss_mask.any(axis=-1)
         step_metrics = []
         with sharding.use_mesh(self.mesh):
             for epoch in range(self.config.ppo_epochs):
                 order = self._minibatch_order(jax.random.fold_in(rng, epoch), real_rows, num_minibatches)
                 for index in order:
-                    stack = {
-                        k: self._put(prepared[k][index].reshape(minibatch // micro, micro, *prepared[k].shape[1:]), True)
-                        for k in fields
-                    }
+                    stack = prepared.map(
+                        lambda x: self._put(x[index].reshape(minibatch // micro, micro, *x.shape[1:]), True))
                     self._policy, self._opt_state, self._critic, self._critic_opt, metrics = self._train_step(
                         self._policy, self._opt_state, self._critic, self._critic_opt, stack, jnp.int32(self._step)
                     )
@@ -383,7 +362,7 @@ class Learner:
         return result
 
     def _summarize(
-        self, step_metrics: list[dict[str, Any]], prepared: dict[str, np.ndarray], elapsed: float,
+        self, step_metrics: list[dict[str, Any]], prepared: TrainingBatch, elapsed: float,
         positions_per_epoch: int, minibatch: int,
     ) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -416,15 +395,15 @@ class Learner:
         metrics["empty_minibatches"] = float(sum(1 for m in step_metrics if not m["nonempty"]))
         metrics["optimizer_updates"] = float(len(applied))
         metrics["step"] = float(self._step)
-        mask = prepared["loss_mask"]
+        mask = prepared.loss_mask
         on = mask > 0
-        for label in ("advantages", "returns"):
-            values = prepared[label][on]
+        for label, per_token in (("advantages", prepared.advantages), ("returns", prepared.returns)):
+            values = per_token[on]
             metrics[f"{label}/abs_mean"] = float(np.abs(values).mean())
             metrics.update({f"{label}/mean": float(values.mean()), f"{label}/std": float(values.std()),
                             f"{label}/max": float(values.max()), f"{label}/min": float(values.min())})
-        real = prepared["valid"] > 0
-        scores = prepared["scores"][real]
+        real = prepared.valid > 0
+        scores = prepared.scores[real]
         metrics["scores/mean"] = float(scores.mean())
         metrics["scores/std"] = float(scores.std())
         metrics["trajectories"] = float(real.sum())
@@ -446,12 +425,11 @@ class Learner:
         prepared = self.prepare(batch)
         _, micro = self._sizes(batch)
         rows = batch.num_rows
-        fields = POLICY_FIELDS + tuple(k for k in ("ref_logp",) if k in prepared)
         if self._gradients_program is None:
             config, graphdef = self.config, self._train_graphdef
 
-            def _learner_gradients(policy: Any, stack: dict[str, Array]) -> tuple[Any, dict[str, Array]]:
-                mask = stack["loss_mask"]
+            def _learner_gradients(policy: Any, stack: TrainingBatch) -> tuple[Any, dict[str, Array]]:
+                mask = stack.loss_mask
                 denominator = loss_denominator(config.loss_aggregation, mask.reshape(-1, mask.shape[-1]))
                 loss_fn = functools.partial(policy_loss, config=config)
                 trainable, fixed = self._trainable(policy)
@@ -459,7 +437,7 @@ class Learner:
 
             self._gradients_program = jax.jit(_learner_gradients)
         with sharding.use_mesh(self.mesh):
-            stack = {k: self._put(prepared[k].reshape(rows // micro, micro, *prepared[k].shape[1:]), True) for k in fields}
+            stack = prepared.map(lambda x: self._put(x.reshape(rows // micro, micro, *x.shape[1:]), True))
             grads, aux = self._gradients_program(self._policy, stack)
         return grads, {k: float(v) for k, v in jax.device_get(aux).items()}
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import typing
+from typing import Any, Mapping
 
+import ml_collections
 import optax
 
 from agentgym_jax import advantages as adv_lib
@@ -24,12 +28,22 @@ class LearnerConfig:
     included; the batch's rows must be a multiple of ``minibatch_size`` (pad with ``TrajectoryBatch.pad_rows``).
     """
 
-    # advantages
+    # algorithms: registered names (advantages.ESTIMATORS, losses.POLICY_LOSSES) and their own options; an
+    # option not given in *_options comes from the field of the same name below, else the function's default
     advantage_estimator: str = "grpo"
-    normalize_std: bool = True  # grpo: divide by the group std (False: Dr. GRPO)
+    estimator_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    policy_loss: str = "ppo_clip"
+    loss_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    import_modules: tuple[str, ...] = ()  # modules that register further estimators or losses, imported first
+    normalize_std: bool = True  # grpo, gigpo: divide by the group std (False: Dr. GRPO)
     gamma: float = 1.0  # reinforce_pp, gae
     lam: float = 1.0  # gae
     whiten_advantages: bool = True  # gae
+    # DAPO's overlong shaping (off when overlong_buffer == 0): a trajectory with L agent tokens above
+    # overlong_max_tokens - overlong_buffer loses overlong_penalty * (L - that) / overlong_buffer (at most the penalty)
+    overlong_buffer: int = 0
+    overlong_max_tokens: int = 0
+    overlong_penalty: float = 1.0
     # policy loss
     loss_aggregation: str = "seq-mean-token-mean"
     clip_low: float = 0.2
@@ -75,16 +89,42 @@ class LearnerConfig:
         return adv_lib.get_estimator(self.advantage_estimator).uses_critic
 
     @property
+    def reward_kl_coef(self) -> float:
+        """The KL coefficient token-level estimators put in the reward (0 unless ``kl_in_reward``)."""
+        return self.kl_coef if self.kl_in_reward else 0.0
+
+    def resolved_estimator_options(self) -> dict[str, Any]:
+        """The estimator's option values for this run (see the field comment)."""
+        return adv_lib.get_estimator(self.advantage_estimator).resolve_options(
+            self.estimator_options, self, "advantage estimator")
+
+    def resolved_loss_options(self) -> dict[str, Any]:
+        """The policy loss's option values for this run."""
+        return losses.POLICY_LOSSES.get(self.policy_loss).resolve_options(self.loss_options, self, "policy loss")
+
+    @property
     def kl_loss_active(self) -> bool:
         """Whether the KL to the reference is a term of the policy loss."""
         return self.kl_coef != 0.0 and not self.kl_in_reward
 
     def validate(self) -> None:
         """Raises :class:`ConfigError` naming the field for an unknown name or an out-of-range value."""
+        import_algorithm_modules(self.import_modules)
         try:
             estimator = adv_lib.get_estimator(self.advantage_estimator)
         except adv_lib.AdvantageError as error:
             raise ConfigError(f"advantage_estimator: {error}") from None
+        for field, resolve in (("estimator_options", self.resolved_estimator_options),
+                               ("loss_options", self.resolved_loss_options)):
+            try:
+                resolve()
+            except ConfigError as error:
+                raise ConfigError(f"{field}: {error}") from None
+        if self.overlong_buffer:
+            _at_least("overlong_buffer", self.overlong_buffer, 0)
+            if self.overlong_max_tokens <= self.overlong_buffer:
+                raise ConfigError(f"overlong_max_tokens ({self.overlong_max_tokens}) must exceed overlong_buffer "
+                                  f"({self.overlong_buffer}) when overlong shaping is on")
         for field, registry in (("loss_aggregation", losses.get_aggregation), ("kl_estimator", losses.get_kl_estimator)):
             try:
                 registry(getattr(self, field))
@@ -102,7 +142,7 @@ class LearnerConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.kl_coef > 0 and not self.use_reference:
             raise ConfigError(f"kl_coef={self.kl_coef} needs the reference policy; set use_reference=True or kl_coef=0")
-        if self.kl_in_reward and self.kl_coef > 0 and "kl_coef" not in estimator.options():
+        if self.kl_in_reward and self.kl_coef > 0 and "reward_kl_coef" not in estimator.options():
             raise ConfigError(
                 f"kl_in_reward=True is supported by the token-level estimators (reinforce_pp, gae), not "
                 f"{self.advantage_estimator!r}; set kl_in_reward=False to use the KL as a loss term"
@@ -150,6 +190,59 @@ class LearnerConfig:
         if self.trainable_layers and self.uses_critic:
             raise ConfigError("trainable_layers applies to the policy only; with advantage_estimator='gae' the critic "
                               "would train all layers. Set trainable_layers=0 or use a critic-free estimator")
+
+
+def import_algorithm_modules(modules: tuple[str, ...]) -> None:
+    """Imports modules that register estimators or losses; a missing one is a one-line ConfigError."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            raise ConfigError(f"import_modules: cannot import {module!r} ({error}); is it on PYTHONPATH?") from None
+
+
+# Fields the run config does not hold in ``algo``: the trainer sets them from other sections (train.steps,
+# model.dtype, model.remat) or keeps the learner's own behaviour (donation).
+NOT_IN_RUN_CONFIG = ("total_steps", "compute_dtype", "remat", "donate")
+
+
+def run_config_section() -> ml_collections.ConfigDict:
+    """The run config's ``algo`` section, built from :class:`LearnerConfig`: every setting with its default.
+
+    Settings whose default is None are typed references, so ``--config.algo.minibatch_size=64`` parses.
+    """
+    hints = typing.get_type_hints(LearnerConfig)
+    section = ml_collections.ConfigDict()
+    for field in dataclasses.fields(LearnerConfig):
+        if field.name in NOT_IN_RUN_CONFIG:
+            continue
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        if default is None:
+            value_type = next(t for t in typing.get_args(hints[field.name]) if t is not type(None))
+            section[field.name] = ml_collections.FieldReference(None, field_type=value_type)
+        elif isinstance(default, Mapping):
+            section[field.name] = ml_collections.ConfigDict(dict(default))
+        else:
+            section[field.name] = default
+    return section
+
+
+def from_run_config_section(section: Mapping[str, Any], **overrides: Any) -> LearnerConfig:
+    """A validated :class:`LearnerConfig` from a run config's ``algo`` section (plus trainer-set ``overrides``)."""
+    fields = {f.name for f in dataclasses.fields(LearnerConfig)} - set(NOT_IN_RUN_CONFIG)
+    values = section.to_dict() if isinstance(section, ml_collections.ConfigDict) else dict(section)
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(f"algo.{unknown[0]} is not a learner setting; valid keys: {', '.join(sorted(fields))}")
+    for key, value in values.items():
+        if isinstance(value, list):
+            values[key] = tuple(value)
+    config = LearnerConfig(**values, **overrides)
+    try:
+        config.validate()
+    except ConfigError as error:
+        raise ConfigError(f"algo.{error}") from None
+    return config
 
 
 def _choice(field: str, value: str, valid: tuple[str, ...]) -> None:

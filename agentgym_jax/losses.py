@@ -18,7 +18,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from agentgym_jax.registry import Registry
+
 Array = jax.Array
+# Policy losses: f(logp, old_logp, advantages, loss_mask, **options) -> PolicyLossTerms, registered by name.
+POLICY_LOSSES: Registry = Registry("policy loss", inputs=("logp", "old_logp", "advantages", "loss_mask"))
+register_policy_loss = POLICY_LOSSES.register
 
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
@@ -114,10 +119,12 @@ jax.tree_util.register_dataclass(
 )
 
 
+@register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     logp: Array,
     old_logp: Array,
     advantages: Array,
+    loss_mask: Array | None = None,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -146,6 +153,59 @@ def ppo_clip_loss(
         dual_clipped = (negative & (loss > bound)).astype(jnp.float32)
         loss = jnp.where(negative, jnp.minimum(loss, bound), loss)
     return PolicyLossTerms(loss, clipped, dual_clipped, ratio, log_ratio)
+
+
+@register_policy_loss("gspo", requires=("loss_mask",))
+def gspo_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    seq_clip_low: float = 3e-4,
+    seq_clip_high: float = 4e-4,
+) -> PolicyLossTerms:
+    """GSPO (Zheng et al., 2025) in its token form: one importance ratio per trajectory,
+    ``s = exp(mean over its agent tokens of (logp - old_logp))``, clipped to ``[1 - low, 1 + high]`` in a PPO-clip
+    surrogate. Each token's ratio is ``sg(s) * p / sg(p)``: its value is ``s`` and its gradient ``s * grad log p``,
+    so with per-trajectory advantages and ``seq-mean-token-mean`` aggregation this is GSPO's sequence objective.
+    """
+    on = loss_mask > 0
+    token_log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(on, axis=-1, keepdims=True), 1)
+    seq_log_ratio = jnp.sum(jnp.where(on, token_log_ratio, 0.0), axis=-1, keepdims=True) / count
+    log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logp - jax.lax.stop_gradient(logp)
+    ratio = jnp.exp(log_ratio.astype(jnp.float32))
+    advantages = advantages.astype(jnp.float32)
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * jnp.clip(ratio, 1.0 - seq_clip_low, 1.0 + seq_clip_high)
+    loss = jnp.maximum(unclipped_loss, clipped_loss)
+    clipped = (clipped_loss > unclipped_loss).astype(jnp.float32)
+    return PolicyLossTerms(loss, clipped, jnp.zeros_like(loss), ratio, jnp.broadcast_to(seq_log_ratio, loss.shape))
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    loss_mask: Array | None = None,
+    *,
+    is_eps_low: float = 1.0,
+    is_eps_high: float = 4.0,
+) -> PolicyLossTerms:
+    """CISPO (MiniMax-M1, 2025): ``-sg(clip(r, 1 - is_eps_low, 1 + is_eps_high)) * A * logp`` per token.
+
+    The importance weight is clipped and detached instead of the update being cut, so every token keeps a
+    gradient (``A * weight * grad log p``). The defaults leave no lower bound (``1 - 1 = 0``) and cap the weight
+    at 5. ``clipped`` marks tokens whose weight was clipped.
+    """
+    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).astype(jnp.float32)
+    ratio = jnp.exp(log_ratio)
+    weight = jnp.clip(ratio, 1.0 - is_eps_low, 1.0 + is_eps_high)
+    loss = -jax.lax.stop_gradient(weight) * advantages.astype(jnp.float32) * logp.astype(jnp.float32)
+    clipped = (weight != ratio).astype(jnp.float32)
+    return PolicyLossTerms(loss, clipped, jnp.zeros_like(loss), ratio, log_ratio)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ micro-batches. The learner's jitted train step and the tests use these very func
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,28 @@ from agentgym_jax.learner_config import LearnerConfig
 from agentgym_jax.model import DecoderLM, to_dtype
 
 Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainingBatch:
+    """What the train step reads, per row: the experience pass and the estimator's outputs over a
+    :class:`~agentgym_jax.batch.TrajectoryBatch` (``[B, T]`` unless noted; ``[n, micro, ...]`` once stacked)."""
+
+    tokens: Any
+    positions: Any  # [B, K] agent-token positions (agent_positions), -1 padded
+    loss_mask: Any  # padding rows zeroed
+    old_logp: Any
+    advantages: Any
+    returns: Any
+    scores: Any  # [B], after any reward shaping
+    valid: Any  # [B]
+    ref_logp: Any = None  # with a reference policy
+    old_values: Any = None  # with a critic
+
+    def map(self, fn: Callable[[Any], Any]) -> "TrainingBatch":
+        """Applies ``fn`` to every present field (e.g. row selection, stacking, device placement)."""
+        return jax.tree.map(fn, self)
 
 
 def to_token_positions(per_prediction: Array) -> Array:
@@ -117,26 +140,25 @@ def loss_denominator(aggregation: str, loss_mask: Array) -> Array:
 
 
 def policy_loss_terms(
-    logp: Array, entropy: Array, micro: Mapping[str, Array], denominator: Array, config: LearnerConfig
+    logp: Array, entropy: Array, micro: TrainingBatch, denominator: Array, config: LearnerConfig
 ) -> tuple[Array, dict[str, Array]]:
     """The policy loss of one micro-batch, ``numerator / denominator``, from its token log-probs and entropies.
 
-    ``micro`` holds ``loss_mask``, ``old_logp``, ``advantages`` and (KL loss) ``ref_logp``, all [B, T].
+    The per-token policy loss is ``config.policy_loss`` from the registry (``losses.POLICY_LOSSES``) with its
+    resolved options; the KL term (``ref_logp``) and the entropy bonus are added per token, then aggregated.
     ``denominator`` is that of the whole minibatch, so micro-batch losses and gradients simply add up. The aux
     dict holds each term's share of the minibatch loss and token sums for metrics.
     """
-    mask = micro["loss_mask"]
+    mask = micro.loss_mask
     on = mask > 0
     aggregate = losses.get_aggregation(config.loss_aggregation)
     inverse = 1.0 / jnp.maximum(denominator, 1.0)
-    terms = losses.ppo_clip_loss(
-        logp, micro["old_logp"], micro["advantages"],
-        clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c,
-    )
+    loss_fn = losses.POLICY_LOSSES.get(config.policy_loss).fn
+    terms = loss_fn(logp, micro.old_logp, micro.advantages, mask, **config.resolved_loss_options())
     total = terms.loss
     aux: dict[str, Array] = {"policy_loss": aggregate(terms.loss, mask)[0] * inverse}
     if config.kl_loss_active:
-        kl = losses.kl_divergence(config.kl_estimator, logp, micro["ref_logp"])
+        kl = losses.kl_divergence(config.kl_estimator, logp, micro.ref_logp)
         total = total + config.kl_coef * kl
         aux["kl_loss"] = aggregate(kl, mask)[0] * inverse
     if config.entropy_coef:
@@ -150,41 +172,42 @@ def policy_loss_terms(
 
     aux["sum/clip_frac"] = token_sum(terms.clipped)
     aux["sum/dual_clip_frac"] = token_sum(terms.dual_clipped)
-    aux["sum/approx_kl"] = token_sum(losses.kl_k3(logp, micro["old_logp"]))
+    aux["sum/approx_kl"] = token_sum(losses.kl_k3(logp, micro.old_logp))
     aux["sum/ratio"] = token_sum(terms.ratio)
-    aux["sum/abs_logp_gap"] = token_sum(jnp.abs(logp - micro["old_logp"]))
+    aux["sum/abs_logp_gap"] = token_sum(jnp.abs(logp - micro.old_logp))
     aux["max/ratio"] = jnp.max(jnp.where(on, terms.ratio, 0.0))
     aux["sum/entropy"] = token_sum(entropy)
-    if "ref_logp" in micro:
-        aux["sum/ref_kl"] = token_sum(losses.kl_k3(logp, micro["ref_logp"]))
+    if micro.ref_logp is not None:
+        aux["sum/ref_kl"] = token_sum(losses.kl_k3(logp, micro.ref_logp))
     aux["sum/tokens"] = jnp.sum(on.astype(jnp.float32))
     return loss, aux
 
 
 def policy_loss(
-    model: DecoderLM, micro: Mapping[str, Array], denominator: Array, config: LearnerConfig
+    model: DecoderLM, micro: TrainingBatch, denominator: Array, config: LearnerConfig
 ) -> tuple[Array, dict[str, Array]]:
-    """The train step's policy loss of one micro-batch (``micro['tokens']`` plus the fields of
+    """The train step's policy loss of one micro-batch (its log-probs at ``micro.positions``, then
     :func:`policy_loss_terms`)."""
-    logp, entropy = token_logprobs(model, micro["tokens"], config.temperature, config.logprob_chunk_size,
-                                   micro.get("positions"))
+    logp, entropy = token_logprobs(model, micro.tokens, config.temperature, config.logprob_chunk_size,
+                                   micro.positions)
     return policy_loss_terms(logp, entropy, micro, denominator, config)
 
 
 def value_loss(
-    critic: Critic, micro: Mapping[str, Array], denominator: Array, config: LearnerConfig
+    critic: Critic, micro: TrainingBatch, denominator: Array, config: LearnerConfig
 ) -> tuple[Array, dict[str, Array]]:
     """The clipped value loss of one micro-batch (``tokens``, ``loss_mask``, ``old_values``, ``returns``)."""
-    mask = micro["loss_mask"]
+    mask = micro.loss_mask
     on = mask > 0
-    values = critic.values(micro["tokens"])
-    per_token, clipped = losses.clipped_value_loss(values, micro["old_values"], micro["returns"], clip_range=config.value_clip)
+    values = critic.values(micro.tokens)
+    per_token, clipped = losses.clipped_value_loss(values, micro.old_values, micro.returns,
+                                                   clip_range=config.value_clip)
     loss = losses.aggregate_loss(config.loss_aggregation, per_token, mask)[0] / jnp.maximum(denominator, 1.0)
     aux = {
         "value_loss": loss,
         "sum/value_clip_frac": jnp.sum(jnp.where(on, clipped, 0.0)),
         "sum/values": jnp.sum(jnp.where(on, values, 0.0)),
-        "sum/value_error": jnp.sum(jnp.where(on, jnp.square(values - micro["returns"]), 0.0)),
+        "sum/value_error": jnp.sum(jnp.where(on, jnp.square(values - micro.returns), 0.0)),
     }
     return loss, aux
 
@@ -193,14 +216,14 @@ def _accumulated_grads(
     loss_fn: Callable[..., tuple[Array, dict[str, Array]]],
     graphdef: Any,
     params: Any,
-    stack: Mapping[str, Array],
+    stack: TrainingBatch,
     denominator: Array,
     fixed: Any = None,
 ) -> tuple[Any, dict[str, Array]]:
     """Sum over the leading micro-batch axis of ``stack`` of the gradient of ``loss_fn`` (exact accumulation),
     with respect to ``params`` only (``fixed``: the rest of the model's state, e.g. the base weights under LoRA)."""
 
-    def grads_of(micro: Mapping[str, Array]) -> tuple[Any, dict[str, Array]]:
+    def grads_of(micro: TrainingBatch) -> tuple[Any, dict[str, Array]]:
         def loss_of(p: Any) -> tuple[Array, dict[str, Array]]:
             model = nnx.merge(graphdef, p) if fixed is None else nnx.merge(graphdef, p, fixed)
             return loss_fn(model, micro, denominator)
@@ -208,11 +231,11 @@ def _accumulated_grads(
         (_, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         return grads, aux
 
-    count = next(iter(stack.values())).shape[0]
+    count = stack.tokens.shape[0]
     if count == 1:
-        return grads_of({k: v[0] for k, v in stack.items()})
+        return grads_of(stack.map(lambda x: x[0]))
 
-    def body(total: Any, micro: Mapping[str, Array]) -> tuple[Any, dict[str, Array]]:
+    def body(total: Any, micro: TrainingBatch) -> tuple[Any, dict[str, Array]]:
         grads, aux = grads_of(micro)
         return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads), aux
 

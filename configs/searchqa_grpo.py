@@ -50,8 +50,9 @@ def _cpu():
     c.data.update(dict(tasks_per_step=4, samples_per_task=4, validation_tasks=0, test_tasks=16))
     c.rollout.update(dict(max_turn_tokens=48, max_trajectory_tokens=1024, stop_strings=STOP_STRINGS, canned_reply=""))
     c.horizon.type, c.horizon.turns = "fixed", 2
-    c.algo.update(dict(learning_rate=1e-5, minibatch_size=8, microbatch_size=4, logprob_chunk_size=128,
-                       trainable_layers=8, kl_coef=0.0, use_reference=False))
+    c.algo.update(dict(
+        old_logp_source="sampler", learning_rate=1e-5, minibatch_size=8, microbatch_size=4,
+        logprob_chunk_size=128, trainable_layers=8, kl_coef=0.0, use_reference=False))
     c.train.update(dict(steps=10, workdir="runs/searchqa_cpu", eval_every=0, checkpoint_every=10))
     c.eval.update(dict(k=1, greedy=True, batch_tasks=16, horizon=2))
     return c

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -212,7 +213,7 @@ def test_reinforce_pp_discounts_over_agent_tokens_only():
     mask = np.array([TWO_TURNS, [0, 1, 1, 0, 0, 0, 0, 0, 0], [0] * 9], np.float32)
     scores = np.array([1.0, -2.0, 3.0], np.float32)
     a, returns = adv.compute_advantages(
-        "reinforce_pp", scores=f32(scores), loss_mask=f32(mask), gamma=0.5, kl_coef=0.0
+        "reinforce_pp", scores=f32(scores), loss_mask=f32(mask), gamma=0.5, reward_kl_coef=0.0
     )
     expected_returns = np.zeros((3, 9))
     # row 0: agent tokens at 2, 3, 6, 7; the env tokens 4, 5 do not discount: 1, 0.5, 0.25, 0.125
@@ -236,7 +237,7 @@ def test_reinforce_pp_with_k1_penalty_matches_numpy_loop():
     expected_returns = np_agent_returns(rewards, mask, gamma)
     a, returns = adv.reinforce_pp_advantages(
         scores=f32(scores), loss_mask=f32(mask), old_logp=f32(old_logp), ref_logp=f32(ref_logp),
-        gamma=gamma, kl_coef=kl_coef,
+        gamma=gamma, reward_kl_coef=kl_coef,
     )
     np.testing.assert_allclose(np.asarray(returns), expected_returns, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(a), np_whiten(expected_returns, mask), rtol=1e-4, atol=1e-5)
@@ -244,7 +245,7 @@ def test_reinforce_pp_with_k1_penalty_matches_numpy_loop():
 
 def test_reinforce_pp_needs_logprobs_when_penalized():
     with pytest.raises(adv.AdvantageError, match="old_logp and ref_logp"):
-        adv.compute_advantages("reinforce_pp", scores=f32([1.0]), loss_mask=f32([[1.0]]), kl_coef=0.01)
+        adv.compute_advantages("reinforce_pp", scores=f32([1.0]), loss_mask=f32([[1.0]]), reward_kl_coef=0.01)
 
 
 # ------------------------------------------------------------------------------------------ GAE
@@ -255,7 +256,7 @@ def test_gae_hand_computed_with_env_tokens_between_turns():
     values = np.full((1, 9), 1.0, np.float32)
     values[0, [0, 1, 4, 5, 8]] = np.nan  # critic outputs off the mask must not be read
     a, returns = adv.compute_advantages(
-        "gae", scores=f32([1.0]), loss_mask=f32(mask), values=f32(values), gamma=0.9, lam=0.8, whiten=False
+        "gae", scores=f32([1.0]), loss_mask=f32(mask), values=f32(values), gamma=0.9, lam=0.8, whiten_advantages=False
     )
     # t=7: delta = 1 + 0.9*0 - 1 = 0                      -> A = 0
     # t=6: delta = 0 + 0.9*1 - 1 = -0.1                   -> A = -0.1
@@ -281,7 +282,7 @@ def test_gae_matches_numpy_loop_and_whitens_over_mask():
     raw = np_gae(rewards, values, mask, gamma, lam)
     a, returns = adv.gae_advantages(
         scores=f32(scores), loss_mask=f32(mask), values=f32(values), old_logp=f32(old_logp),
-        ref_logp=f32(ref_logp), gamma=gamma, lam=lam, kl_coef=kl_coef,
+        ref_logp=f32(ref_logp), gamma=gamma, lam=lam, reward_kl_coef=kl_coef,
     )
     np.testing.assert_allclose(np.asarray(returns), (raw + values) * mask, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(a), np_whiten(raw, mask), rtol=1e-4, atol=1e-5)
@@ -295,7 +296,7 @@ def test_outcome_only_reward_gives_nonzero_agent_advantages(name):
     fields = dict(scores=f32([1.0, 0.0]), loss_mask=f32(mask))
     if name == "gae":
         fields["values"] = jnp.zeros(mask.shape)
-    raw = dict(whiten=False) if name == "gae" else dict(kl_coef=0.0)
+    raw = dict(whiten_advantages=False) if name == "gae" else dict(reward_kl_coef=0.0)
     a, returns = adv.compute_advantages(name, gamma=1.0, **fields, **raw)
     a, returns = np.asarray(a), np.asarray(returns)
     # With gamma = 1 (lambda = 1), zero values and no KL, every agent token of row 0 gets the full outcome 1.
@@ -311,7 +312,7 @@ def test_outcome_only_reward_gives_nonzero_agent_advantages(name):
 
 
 def test_unknown_estimator_lists_valid_names():
-    with pytest.raises(adv.AdvantageError, match="valid names: gae, grpo, reinforce_pp, rloo"):
+    with pytest.raises(adv.AdvantageError, match="valid names: gae, gigpo, grpo, reinforce_pp, rloo"):
         adv.get_estimator("ppo")
 
 
@@ -330,10 +331,15 @@ def test_every_estimator_jits_and_matches_eager():
         scores=f32(scores[keep]), loss_mask=f32(mask[keep]), group_ids=jnp.asarray(group_ids[keep]),
         values=f32(rng.normal(size=mask[keep].shape)), old_logp=f32(rng.normal(size=mask[keep].shape)),
         ref_logp=f32(rng.normal(size=mask[keep].shape)),
+        # one turn per agent token run, states 0/1 so some step groups repeat
+        turn_ids=jnp.asarray(np.where(mask[keep] > 0, np.cumsum(np.diff(mask[keep], prepend=0, axis=1) > 0,
+                                                                   axis=1) - 1, -1), jnp.int32),
+        step_rewards=f32(rng.normal(size=(int(keep.sum()), mask.shape[1]))),
+        step_states=jnp.asarray(rng.integers(0, 2, size=(int(keep.sum()), mask.shape[1])), jnp.int32),
     )
     for name in adv.estimator_names():
         est = adv.get_estimator(name)
-        fields = {k: v for k, v in batch.items() if k in est.required_fields or k in est.options()}
+        fields = {k: v for k, v in batch.items() if k in est.requires or k in inspect.signature(est.fn).parameters}
         fn = functools.partial(adv.compute_advantages, name)
         eager = est.fn(**fields)
         jitted = jax.jit(fn)(**batch)  # the whole batch: unused fields are dropped

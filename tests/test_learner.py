@@ -1,5 +1,6 @@
 """The learner: exact gradient accumulation, agent-only gradients, NaN skipping, meshes, checkpoints, bad input."""
 
+import dataclasses
 import logging
 
 import jax
@@ -14,7 +15,7 @@ from agentgym_jax.critic import Critic
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.learner import (
     TRAIN_STEP_NAME, Learner, LearnerConfig, learning_rate_schedule, loss_denominator, policy_loss,
-    policy_loss_terms, token_logprobs, token_logprobs_from_logits,
+    TrainingBatch, policy_loss_terms, token_logprobs, token_logprobs_from_logits,
 )
 
 B, T = 8, 24
@@ -61,7 +62,7 @@ def _assert_trees_close(a: dict, b: dict, atol: float, rtol: float = 0.0) -> Non
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(advantage_estimator="ppo"), "advantage_estimator: Unknown advantage estimator 'ppo'; valid names: gae, grpo"),
+        (dict(advantage_estimator="ppo"), "advantage_estimator: Unknown advantage estimator 'ppo'; valid names: gae, gigpo, grpo"),
         (dict(loss_aggregation="mean"), "loss_aggregation: Unknown loss aggregation 'mean'; valid names: seq-mean"),
         (dict(kl_estimator="k4"), "kl_estimator: Unknown KL estimator 'k4'; valid names: k1, k2, k3"),
         (dict(lr_schedule="step"), "lr_schedule: unknown value 'step'; valid values: constant, cosine, linear"),
@@ -176,11 +177,13 @@ def test_critic_starts_from_the_policy_backbone(model_dir):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _micro(batch: TrajectoryBatch, rs: np.random.RandomState) -> dict[str, jax.Array]:
+def _micro(batch: TrajectoryBatch, rs: np.random.RandomState) -> TrainingBatch:
     mask = batch.loss_mask
-    return dict(
-        tokens=jnp.asarray(batch.tokens), loss_mask=jnp.asarray(mask), old_logp=jnp.asarray(batch.old_logp),
-        advantages=jnp.asarray(np.where(mask > 0, rs.randn(*mask.shape), 0.0), jnp.float32),
+    advantages = jnp.asarray(np.where(mask > 0, rs.randn(*mask.shape), 0.0), jnp.float32)
+    return TrainingBatch(
+        tokens=jnp.asarray(batch.tokens), positions=None, loss_mask=jnp.asarray(mask),
+        old_logp=jnp.asarray(batch.old_logp), advantages=advantages, returns=advantages,
+        scores=jnp.asarray(batch.scores), valid=jnp.asarray(batch.valid),
         ref_logp=jnp.asarray(np.where(mask > 0, -rs.rand(*mask.shape) * 3 - 2, 0.0), jnp.float32),
     )
 
@@ -190,11 +193,11 @@ def test_env_position_logits_get_no_gradient_and_change_nothing(model_dir):
     config = LearnerConfig(entropy_coef=0.01, kl_coef=0.1)
     batch = _batch()
     micro = _micro(batch, np.random.RandomState(1))
-    denominator = loss_denominator(config.loss_aggregation, micro["loss_mask"])
-    logits = model(micro["tokens"])
+    denominator = loss_denominator(config.loss_aggregation, micro.loss_mask)
+    logits = model(micro.tokens)
 
     def loss_of_logits(logits):
-        logp, entropy = token_logprobs_from_logits(logits, micro["tokens"])
+        logp, entropy = token_logprobs_from_logits(logits, micro.tokens)
         return policy_loss_terms(logp, entropy, micro, denominator, config)[0]
 
     loss_of_logits = jax.jit(loss_of_logits)
@@ -214,7 +217,7 @@ def test_env_tokens_and_values_at_env_positions_change_no_loss_or_gradient(model
     batch = _batch()
     micro = _micro(batch, np.random.RandomState(1))
     graphdef, params = nnx.split(model)
-    denominator = loss_denominator(config.loss_aggregation, micro["loss_mask"])
+    denominator = loss_denominator(config.loss_aggregation, micro.loss_mask)
 
     @jax.jit
     def loss_and_grads(micro):
@@ -222,19 +225,19 @@ def test_env_tokens_and_values_at_env_positions_change_no_loss_or_gradient(model
 
     loss, grads = loss_and_grads(micro)
     rs = np.random.RandomState(3)
-    env = np.asarray(micro["loss_mask"]) == 0
-    last_agent = T - 1 - np.argmax(np.asarray(micro["loss_mask"])[:, ::-1] > 0, axis=1)
+    env = np.asarray(micro.loss_mask) == 0
+    last_agent = T - 1 - np.argmax(np.asarray(micro.loss_mask)[:, ::-1] > 0, axis=1)
     after_last = np.arange(T)[None, :] > last_agent[:, None]  # trailing observation tokens: context of nothing
-    perturbed = dict(micro)
-    perturbed["tokens"] = jnp.where(after_last, rs.randint(3, 256, (B, T)), micro["tokens"])
-    for key in ("old_logp", "ref_logp", "advantages"):
-        perturbed[key] = jnp.where(env, jnp.asarray(rs.randn(B, T) * 100.0, jnp.float32), micro[key])
+    noise = {key: jnp.where(env, jnp.asarray(rs.randn(B, T) * 100.0, jnp.float32), getattr(micro, key))
+             for key in ("old_logp", "ref_logp", "advantages")}
+    perturbed = dataclasses.replace(micro, tokens=jnp.where(after_last, rs.randint(3, 256, (B, T)), micro.tokens),
+                                    **noise)
     perturbed_loss, perturbed_grads = loss_and_grads(perturbed)
     assert float(perturbed_loss) == float(loss)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(perturbed_grads)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # An agent token's advantage does move the loss (the test above is not vacuous).
-    moved = dict(micro, advantages=micro["advantages"] + 0.5 * micro["loss_mask"])
+    moved = dataclasses.replace(micro, advantages=micro.advantages + 0.5 * micro.loss_mask)
     assert abs(float(loss_and_grads(moved)[0]) - float(loss)) > 1e-3
 
 

@@ -198,7 +198,7 @@ def test_learner_reference_log_probs_are_the_base_models(base_dir):
     learner = Learner(_trained(base_dir), LearnerConfig(learning_rate=1e-2, kl_coef=0.01, minibatch_size=4))
     learner.update(batch, jax.random.PRNGKey(0))  # the adapters move further; the reference must not
     assert learner.reference_state is None  # no copy of the weights is kept
-    reference = np.asarray(learner.prepare(batch)["ref_logp"])
+    reference = np.asarray(learner.prepare(batch).ref_logp)
     base = hf.load_model(base_dir)
     expected = np.asarray(token_logprobs(base, jnp.asarray(batch.tokens))[0])
     on = mask > 0

@@ -133,8 +133,8 @@ def test_response_prefix_is_glue_in_sampler_input_training_and_evaluation(tiny_d
     prefix_ids = chat.encode_in_turn(PREFIX)
     for row, t in enumerate(trajectories):
         first = t.loss_mask.index(1)
-        assert arrays["tokens"][row, first - len(prefix_ids): first].tolist() == list(prefix_ids)
-        assert arrays["loss_mask"][row, first - len(prefix_ids): first].sum() == 0
+        assert arrays.tokens[row, first - len(prefix_ids): first].tolist() == list(prefix_ids)
+        assert arrays.loss_mask[row, first - len(prefix_ids): first].sum() == 0
     assert summary["settings"]["response_prefix"] == PREFIX and summary["settings"]["greedy"] is True
     for key in ("diag/groups_with_signal", "diag/response_tokens", "dynamic/rounds", "dynamic/groups_kept",
                 "rollout/episodes"):

@@ -31,8 +31,9 @@ def tiny_config(model_dir, workdir, **train):
     c.rollout.update(dict(max_turn_tokens=1, max_trajectory_tokens=192, system_prompt="You are a bot.",
                           canned_reply=""))
     c.horizon.type, c.horizon.turns = "fixed", 2
-    c.algo.update(dict(learning_rate=3e-2, kl_coef=0.0, entropy_coef=0.0, minibatch_size=16, microbatch_size=8,
-                       grad_clip_norm=1.0))
+    c.algo.update(dict(
+        old_logp_source="sampler", learning_rate=3e-2, kl_coef=0.0, entropy_coef=0.0, minibatch_size=16,
+        microbatch_size=8, grad_clip_norm=1.0))
     c.train.update(dict(steps=12, workdir=str(workdir), eval_every=0, checkpoint_every=0, progress_bars=False,
                         tensorboard=True, export_final=False))
     c.train.update(train)
@@ -87,7 +88,7 @@ def test_environment_tokens_are_masked_in_a_real_batch(tiny_dir, tmp_path):
         # Observation text appears only in masked-out (environment) tokens.
         agent_text = chat.decode(tokens[mask == 1])
         assert "Another word" not in agent_text and "Turn 1 noted" in chat.decode(tokens[mask == 0])
-    assert arrays["loss_mask"][:, 0].sum() == 0
+    assert arrays.loss_mask[:, 0].sum() == 0
 
 
 def test_kill_and_resume_reproduces_the_uninterrupted_run(tiny_dir, tmp_path):
