@@ -293,7 +293,8 @@ def gae_advantages(
 def get_estimator(name: str) -> Entry:
     """The estimator registered as ``name``; raises :class:`AdvantageError` listing the valid names."""
     if name not in ESTIMATORS:
-        raise AdvantageError(f"Unknown advantage estimator {name!r}; valid names: {', '.join(ESTIMATORS.names())}.")
+        raise AdvantageError(f"Unknown advantage estimator {name!r}; valid names: {', '.join(ESTIMATORS.names())} "
+                             "(load a module that registers another with algo.import_modules).")
     return ESTIMATORS.get(name)
 
 

@@ -175,7 +175,8 @@ class TrajectoryBatch:
             raise BatchError(f"turn_ids, step_rewards and step_states go together; got only {steps}")
         if steps:
             if np.shape(self.turn_ids) != (rows, length):
-                raise BatchError(f"turn_ids must have the shape of tokens {(rows, length)}, got {np.shape(self.turn_ids)}")
+                raise BatchError(f"turn_ids must have the shape of tokens {(rows, length)}, "
+                                 f"got {np.shape(self.turn_ids)}")
             if np.ndim(self.step_rewards) != 2 or np.shape(self.step_rewards) != np.shape(self.step_states) \
                     or np.shape(self.step_rewards)[0] != rows:
                 raise BatchError(f"step_rewards and step_states must both be [B, S] with B={rows}, got "

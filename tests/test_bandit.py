@@ -1,8 +1,10 @@
 """Learning test: a one-step bandit on the tiny model, sampled by the real Sampler and trained by the Learner.
 
 Each trajectory is a short prompt followed by one sampled token; the reward is 1 when that token is in a fixed set
-holding 1/8 of the vocabulary. Every estimator must raise the mean reward from the random level (~0.125) to > 0.9.
+holding 1/8 of the vocabulary. Every estimator and policy loss must raise the mean reward from the random level (~0.125) to > 0.9.
 """
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -42,6 +44,10 @@ def _sample(sampler: Sampler, rng: jax.Array, repeats: int = 1) -> tuple[Traject
         group_ids=[i // (SAMPLES_PER_PROMPT * repeats) for i in range(len(prompts))],
         seq_len=SEQ_LEN,
     )
+    # One turn per trajectory, acting in the state its prompt shows (for step-level estimators).
+    batch = dataclasses.replace(
+        batch, turn_ids=np.where(batch.loss_mask > 0, 0, -1).astype(np.int32), step_rewards=rewards[:, None],
+        step_states=np.asarray([PROMPTS.index(p) for p in prompts], np.int32)[:, None])
     return batch, float(rewards.mean())
 
 
@@ -71,6 +77,9 @@ def _train(model_dir, config: LearnerConfig, iterations: int = 60, **load) -> tu
         ("rloo", dict(advantage_estimator="rloo", old_logp_source="sampler")),
         ("reinforce_pp", dict(advantage_estimator="reinforce_pp", kl_in_reward=True)),
         ("ppo", dict(advantage_estimator="gae", critic_learning_rate=1e-2, ppo_epochs=2, minibatch_size=16)),
+        ("gigpo", dict(advantage_estimator="gigpo")),
+        ("gspo", dict(policy_loss="gspo")),
+        ("cispo", dict(policy_loss="cispo", old_logp_source="sampler")),
     ],
 )
 def test_bandit_reward_rises_above_0_9(model_dir, name, overrides):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 from typing import Any, Sequence
@@ -103,6 +104,7 @@ class BabyAIEnvironment(Environment):
             "action_valid": None,
         }
         text = self._describe_and_plan()
+        self._info["state_key"] = self._state_key()
         return f"Your goal: {self._env.mission}\n{text}\n{format_available(self._table.names())}", dict(self._info)
 
     def step(self, action_text: str) -> StepResult:
@@ -187,4 +189,12 @@ class BabyAIEnvironment(Environment):
         return "ongoing"
 
     def _result(self, observation: str) -> StepResult:
+        self._info["state_key"] = self._state_key()
         return StepResult(observation, self._score, self._done, dict(self._info))
+
+    def _state_key(self) -> str:
+        """The grid (objects, doors), the agent's cell, heading and load: equal exactly when the state is."""
+        env = self._env
+        grid = hashlib.sha1(env.grid.encode().tobytes()).hexdigest()[:16]
+        carrying = env.carrying.encode() if env.carrying is not None else None
+        return f"{self._info['task_id']}|{tuple(int(x) for x in env.agent_pos)}|{int(env.agent_dir)}|{carrying}|{grid}"

@@ -147,6 +147,7 @@ class SciWorld(Environment):
         }
         if self.generate_gold_path:
             info["gold_actions"] = list(env.server.getGoldActionSequence())
+        info["state_key"] = self._state_key(0)
         return self._last_observation, info
 
     def step(self, action_text: str) -> StepResult:
@@ -167,8 +168,14 @@ class SciWorld(Environment):
         self._done = self._done or bool(env.server.getCompleted()) or score < 0 or moves > self.step_limit
         self._last_observation = observation
         info = {"score": score, "moves": moves, "action": action, "action_valid": action is not None,
-                "success": score >= 100}  # a partial score is progress, not a pass
+                "success": score >= 100,  # a partial score is progress, not a pass
+                "state_key": self._state_key(score)}
         return StepResult(observation, max(score, 0) / 100.0, self._done, info)
+
+    def _state_key(self, score: int) -> str:
+        """Task, score, what the agent sees around it and carries (free actions: no simulated time passes)."""
+        server = self._env.server
+        return f"{self._task_id}|{score}|{server.freeActionLook()}|{server.freeActionInventory()}"
 
     def close(self) -> None:
         env, self._env = self._env, None

@@ -119,7 +119,8 @@ class TextCraft(Environment):
             "\n".join(commands), display_name(self.goal)
         )
         task = _task_list(self._recipe_dir)[task_id]
-        info = {"task_id": task_id, "goal": self.goal, "subtask": task.subtask, "split": task.split}
+        info = {"task_id": task_id, "goal": self.goal, "subtask": task.subtask, "split": task.split,
+                "state_key": self._state_key()}
         return self._observation, info
 
     def step(self, action_text: str) -> StepResult:
@@ -135,7 +136,12 @@ class TextCraft(Environment):
         reward = 1.0 if self._done else 0.0
         understood = action is not None and not observation.startswith(UNKNOWN_COMMAND)
         return StepResult(observation, reward, self._done,
-                          {"action": action, "action_valid": understood, "success": reward >= 1.0})
+                          {"action": action, "action_valid": understood, "success": reward >= 1.0,
+                           "state_key": self._state_key()})
+
+    def _state_key(self) -> str:
+        """Goal and inventory: the whole state of a crafting episode."""
+        return f"{self.goal}|{sorted(self.inventory.items())}|{self._done}"
 
     def execute(self, action: str) -> tuple[str, bool]:
         """Runs one sanitized command; returns the message and whether it crafted the goal."""
