@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 from typing import Any, Mapping
 
@@ -45,6 +44,7 @@ from agentgym_jax.learner_config import (  # noqa: F401 - re-exported: the learn
     LR_SCHEDULES, OLD_LOGP_SOURCES, LearnerConfig, learning_rate_schedule, make_optimizer,
 )
 from agentgym_jax.model import DecoderLM, abstract_model
+from agentgym_jax.update_metrics import summarize_update
 from agentgym_jax.policy_objective import (  # noqa: F401 - re-exported for callers of the learner module
     AGENT_POSITION_BUCKETS, TrainingBatch, _accumulated_grads, _keep_if, agent_positions, loss_denominator,
     policy_loss, policy_loss_terms, selected_logprobs, to_token_positions, token_logprobs,
@@ -353,67 +353,14 @@ class Learner:
                     step_metrics.append(jax.device_get(metrics))
         self._updates_called += 1
         elapsed = time.perf_counter() - started
-        result = self._summarize(step_metrics, prepared, elapsed, rows * length, minibatch)
+        result = summarize_update(step_metrics, prepared, elapsed, rows * length, self.config.ppo_epochs)
+        result["step"] = float(self._step)
         if result["skipped_updates"]:
             log.warning(
                 "skipped %d of %d optimizer updates: non-finite loss or gradient (parameters left unchanged)",
                 int(result["skipped_updates"]), len(step_metrics),
             )
         return result
-
-    def _summarize(
-        self, step_metrics: list[dict[str, Any]], prepared: TrainingBatch, elapsed: float,
-        positions_per_epoch: int, minibatch: int,
-    ) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        applied = [m for m in step_metrics if m["applied"]]
-        used = applied or step_metrics
-        tokens = sum(float(m["sum/tokens"]) for m in used)
-        for key in used[0]:
-            if key.startswith("sum/") and key != "sum/tokens":
-                metrics[key[4:]] = sum(float(m[key]) for m in used) / max(tokens, 1.0)
-            elif key.startswith("max/"):
-                metrics[f"{key[4:]}_max"] = max(float(m[key]) for m in used)
-        for key in ("policy_loss", "kl_loss", "entropy_loss", "total_loss", "value_loss", "grad_norm",
-                    "critic_grad_norm"):
-            if key in used[0]:
-                metrics[key] = float(np.mean([float(m[key]) for m in used]))
-        if "value_error" in metrics:
-            metrics["value_rmse"] = math.sqrt(metrics.pop("value_error"))
-        metrics["grad_norm_max"] = float(max(float(m["grad_norm"]) for m in used))
-        # The first minibatch is scored at the parameters that sampled the batch: its ratio is ~1 and its
-        # log-prob gap ~0 unless the sampler and the learner disagree (precision, template, masking bugs).
-        first = step_metrics[0]
-        first_tokens = max(float(first["sum/tokens"]), 1.0)
-        metrics["first_minibatch/ratio"] = float(first["sum/ratio"]) / first_tokens
-        metrics["first_minibatch/abs_logp_gap"] = float(first["sum/abs_logp_gap"]) / first_tokens
-        metrics["first_minibatch/ratio_max"] = float(first["max/ratio"])
-        metrics["lr"] = float(step_metrics[-1]["lr"])
-        if "critic_lr" in step_metrics[-1]:
-            metrics["critic_lr"] = float(step_metrics[-1]["critic_lr"])
-        metrics["skipped_updates"] = float(sum(1 for m in step_metrics if m["nonempty"] and not m["finite"]))
-        metrics["empty_minibatches"] = float(sum(1 for m in step_metrics if not m["nonempty"]))
-        metrics["optimizer_updates"] = float(len(applied))
-        metrics["step"] = float(self._step)
-        mask = prepared.loss_mask
-        on = mask > 0
-        for label, per_token in (("advantages", prepared.advantages), ("returns", prepared.returns)):
-            values = per_token[on]
-            metrics[f"{label}/abs_mean"] = float(np.abs(values).mean())
-            metrics.update({f"{label}/mean": float(values.mean()), f"{label}/std": float(values.std()),
-                            f"{label}/max": float(values.max()), f"{label}/min": float(values.min())})
-        real = prepared.valid > 0
-        scores = prepared.scores[real]
-        metrics["scores/mean"] = float(scores.mean())
-        metrics["scores/std"] = float(scores.std())
-        metrics["trajectories"] = float(real.sum())
-        agent_tokens = float(mask.sum())
-        metrics["agent_tokens"] = agent_tokens
-        epochs = self.config.ppo_epochs
-        metrics["update_seconds"] = elapsed
-        metrics["tokens_per_s"] = positions_per_epoch * epochs / elapsed
-        metrics["agent_tokens_per_s"] = agent_tokens * epochs / elapsed
-        return metrics
 
     # ---------------------------------------------------------------------------------------- gradients (debug)
 

@@ -27,6 +27,7 @@ PORT = flags.DEFINE_integer("port", 8000, "TCP port")
 
 def main(argv: list[str]) -> None:
     del argv
+    import jax  # noqa: F401  (imported first: a dense encoder here may use the accelerator; see searchqa/dense.py)
     import uvicorn
 
     from environments.searchqa.retrieval import make_retriever

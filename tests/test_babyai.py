@@ -107,11 +107,13 @@ def test_first_observation_format_and_info(env):
     actions = available(observation)
     assert actions[:3] == ["turn left", "turn right", "move forward"] and actions[-1] == "check available actions"
     assert "go to red ball 1" in actions and "pickup grey key 4" in actions
+    state_key = info.pop("state_key")
     assert info == {
         "task_id": 0, "level": "BabyAI-GoToRedBallGrey-v0", "seed": 0, "subtask": "GoTo",
         "mission": "go to the red ball", "max_steps": 64, "steps": 0, "turns": 0, "success": False,
         "action": None, "action_valid": None,
     }
+    assert state_key.startswith("0|") and state_key == env.reset(0)[1]["state_key"]
 
 
 def test_view_positions_match_the_grid(env):

@@ -42,7 +42,8 @@ def test_tasks_cover_every_goal_with_disjoint_splits(env: TextCraft) -> None:
 
 def test_first_observation_format(env: TextCraft) -> None:
     observation, info = env.reset(300)
-    assert info == {"task_id": 300, "goal": "minecraft:mossy_stone_bricks", "subtask": "depth-2", "split": "train"}
+    assert info == {"task_id": 300, "goal": "minecraft:mossy_stone_bricks", "subtask": "depth-2", "split": "train",
+                    "state_key": "minecraft:mossy_stone_bricks|[]|False"}
     assert observation.startswith("Crafting commands:\n") and observation.endswith("\n\nGoal: craft mossy stone bricks.")
     commands = observation.split("\n\n")[0].splitlines()[1:]
     assert "craft 1 mossy stone bricks using 1 stone bricks, 1 vine" in commands
