@@ -5,10 +5,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
 MODEL_STAMP := $(VENV)/.default-model-prepared
 SEARCHQA_STAMP := $(VENV)/.searchqa-generated
+WEB_STAMP := $(VENV)/.web-browser-ready
 
 .PHONY: setup model test test-fast demo bench bazel-test clean-venv
 
-setup: $(STAMP) $(MODEL_STAMP) $(SEARCHQA_STAMP)
+setup: $(STAMP) $(MODEL_STAMP) $(SEARCHQA_STAMP) $(WEB_STAMP)
 
 # One pip call for runtime and test pins, so transformers/accelerate resolve against the pinned CPU torch.
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
@@ -29,6 +30,14 @@ model: $(MODEL_STAMP)
 # The Deep Search env's generated corpus, questions and bm25 index, built into the cache once (~10 s).
 $(SEARCHQA_STAMP): $(STAMP) environments/searchqa/knowledge.py
 	$(PY) -m environments.searchqa.build
+	touch $@
+
+# The web envs: Debian's Chromium (Playwright's own browser download is not reachable here), and the MiniWoB++ and
+# WebArena task data, installed without their unused dependencies (environments/web/requirements-data.txt).
+$(WEB_STAMP): $(STAMP) environments/web/requirements-data.txt
+	command -v chromium >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+	$(PY) -m pip install --quiet --no-deps -r environments/web/requirements-data.txt
 	touch $@
 
 test: setup

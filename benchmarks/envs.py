@@ -30,6 +30,7 @@ import requests
 from environments.agentgym_http import AgentGymHTTPEnv
 from environments.base import Environment, make_env, registered_environments
 from environments.workers import EnvPool
+from benchmarks import web
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "envs.json"
@@ -39,11 +40,14 @@ PADDING = {"textcraft": "inventory", "sciworld": "look around", "babyai": "turn 
            "searchqa": "<search>population of the capital</search>"}
 BABYAI_CYCLE = ["turn left", "move forward", "turn right", "move forward"]
 RESET_ON_DONE = {"babyai"}
+NEEDS_DEPLOYMENT = {"webarena"}  # real WebArena sites by URL; not measurable offline
 FLEET_WORKERS, FLEET_EPISODES_PER_WORKER = 2, 3  # 6 episodes per batch over 1 or 3 servers  # the others accept steps after the goal, so an episode just goes on
 
 
 def _turns(env_name: str, info: dict[str, Any], goal_book: Environment | None, length: int) -> list[str]:
     """Scripted agent turns for one episode, ``length`` long."""
+    if env_name in web.WEB_ENVS:
+        return web.turns(env_name, info, length)  # navigation and scrolling, see benchmarks/web.py
     if env_name == "textcraft":
         from environments.textcraft.solver import solve
 
@@ -163,6 +167,8 @@ def bench_env(env_name: str, steps: int, repeats: int, workers: list[int]) -> di
         "pool": {},
     }
     plain.close()
+    if env_name in web.WEB_ENVS:
+        result.update(web.web_figures(env_name, task_ids, steps))  # observation tokens, memory per browser
     for count in workers:
         episodes = count * EPISODES_PER_WORKER.get(env_name, 2)
         batches = max(5, steps // episodes)
@@ -196,7 +202,7 @@ def bench_env(env_name: str, steps: int, repeats: int, workers: list[int]) -> di
 
 
 def main() -> None:
-    names = [n for n in registered_environments() if n != "agentgym_http"]
+    names = [n for n in registered_environments() if n != "agentgym_http" and n not in NEEDS_DEPLOYMENT]
     parser = argparse.ArgumentParser(description="env steps/s: in-process, pool (1/2/4 workers), HTTP")
     parser.add_argument("--envs", default=",".join(names))
     parser.add_argument("--steps", type=int, default=200, help="timed steps per repeat")

@@ -96,7 +96,7 @@ def _import_builtin_environments() -> None:
     import importlib
 
     for module in ("environments.babyai", "environments.textcraft", "environments.sciworld", "environments.searchqa",
-                   "environments.agentgym_http"):
+                   "environments.agentgym_http", "environments.web"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as error:  # the package itself not written yet, or its dependency absent

@@ -1,0 +1,1 @@
+"""Corner Shop: the small SQLite web shop behind the ``webarena_local`` tasks."""
