@@ -31,7 +31,6 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -44,6 +43,7 @@ from agentgym_jax.learner_config import (  # noqa: F401 - re-exported: the learn
     LR_SCHEDULES, OLD_LOGP_SOURCES, LearnerConfig, learning_rate_schedule, make_optimizer,
 )
 from agentgym_jax.model import DecoderLM, abstract_model
+from agentgym_jax.train_step import StepParts, experience_program, train_step_program
 from agentgym_jax.update_metrics import summarize_update
 from agentgym_jax.policy_objective import (  # noqa: F401 - re-exported for callers of the learner module
     AGENT_POSITION_BUCKETS, TrainingBatch, _accumulated_grads, _keep_if, agent_positions, loss_denominator,
@@ -153,74 +153,14 @@ class Learner:
 
     def _build_programs(self) -> None:
         config = self.config
-        train_graphdef, critic_graphdef = self._train_graphdef, self._critic_graphdef
-        uses_critic, use_reference = config.uses_critic, config.use_reference
-        recompute = config.old_logp_source == "recompute"
-
-        lora_policy = self._lora
-
-        def _learner_experience(policy: Any, reference: Any, critic: Any, tokens: Array, positions: Array
-                                ) -> dict[str, Array]:
-            out = {}
-            if lora_policy:
-                reference = lora.without_adapters(policy)
-            logprobs = functools.partial(
-                token_logprobs, tokens=tokens, temperature=config.temperature, chunk_size=config.logprob_chunk_size,
-                positions=positions,
-            )
-            if recompute:
-                out["old_logp"] = logprobs(nnx.merge(train_graphdef, policy))[0]
-            if use_reference:
-                out["ref_logp"] = logprobs(nnx.merge(train_graphdef, reference))[0]
-            if uses_critic:
-                out["values"] = nnx.merge(critic_graphdef, critic).values(tokens)
-            return out
-
-        policy_loss_fn = functools.partial(policy_loss, config=config)
-        split_trainable = self._trainable
-        value_loss_fn = functools.partial(value_loss, config=config)
-        optimizer, critic_optimizer = self._optimizer, self._critic_optimizer
-        schedule, critic_schedule = self._schedule, self._critic_schedule
-        param_shardings = self._shardings(self._policy)
-        critic_shardings = self._shardings(self._critic)
-
-        def _learner_train_step(
-            policy: Any, opt_state: Any, critic: Any, critic_opt: Any, stack: TrainingBatch, step: Array
-        ) -> tuple[Any, Any, Any, Any, dict[str, Array]]:
-            mask = stack.loss_mask
-            denominator = loss_denominator(config.loss_aggregation, mask.reshape(-1, mask.shape[-1]))
-            trainable, fixed = split_trainable(policy)
-            grads, aux = _accumulated_grads(policy_loss_fn, train_graphdef, trainable, stack, denominator, fixed)
-            grad_norm = optax.tree.norm(grads)
-            updates, new_opt = optimizer.update(grads, opt_state, trainable)
-            new_trainable = optax.apply_updates(trainable, updates)
-            finite = jnp.isfinite(aux["total_loss"]) & jnp.isfinite(grad_norm)
-            metrics = dict(aux, grad_norm=grad_norm, lr=schedule(step))
-            if uses_critic:
-                critic_grads, critic_aux = _accumulated_grads(
-                    value_loss_fn, critic_graphdef, critic, stack, denominator
-                )
-                critic_norm = optax.tree.norm(critic_grads)
-                critic_updates, new_critic_opt = critic_optimizer.update(critic_grads, critic_opt, critic)
-                new_critic = optax.apply_updates(critic, critic_updates)
-                finite = finite & jnp.isfinite(critic_aux["value_loss"]) & jnp.isfinite(critic_norm)
-                metrics.update(critic_aux, critic_grad_norm=critic_norm, critic_lr=critic_schedule(step))
-            nonempty = denominator > 0
-            apply = finite & nonempty
-            trainable_out = _keep_if(apply, new_trainable, trainable)
-            policy_out = trainable_out if fixed is None else nnx.merge_state(trainable_out, fixed)
-            opt_out = _keep_if(apply, new_opt, opt_state)
-            if param_shardings is not None:
-                policy_out = jax.lax.with_sharding_constraint(policy_out, param_shardings)
-            if uses_critic:
-                critic, critic_opt = _keep_if(apply, new_critic, critic), _keep_if(apply, new_critic_opt, critic_opt)
-                if critic_shardings is not None:
-                    critic = jax.lax.with_sharding_constraint(critic, critic_shardings)
-            metrics.update(finite=finite, nonempty=nonempty, applied=apply, denominator=denominator)
-            return policy_out, opt_out, critic, critic_opt, metrics
-
-        self._experience = jax.jit(_learner_experience)
-        self._train_step = jax.jit(_learner_train_step, donate_argnums=(0, 1, 2, 3) if config.donate else ())
+        self._experience = jax.jit(experience_program(config, self._train_graphdef, self._critic_graphdef,
+                                                      self._lora))
+        parts = StepParts(
+            config=config, train_graphdef=self._train_graphdef, critic_graphdef=self._critic_graphdef,
+            split_trainable=self._trainable, optimizer=self._optimizer, schedule=self._schedule,
+            critic_optimizer=self._critic_optimizer, critic_schedule=self._critic_schedule,
+            param_shardings=self._shardings(self._policy), critic_shardings=self._shardings(self._critic))
+        self._train_step = jax.jit(train_step_program(parts), donate_argnums=(0, 1, 2, 3) if config.donate else ())
         self._advantages = jax.jit(functools.partial(
             adv_lib.compute_advantages, config.advantage_estimator, **config.resolved_estimator_options()))
 
