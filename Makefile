@@ -6,10 +6,11 @@ STAMP := $(VENV)/.requirements-installed
 MODEL_STAMP := $(VENV)/.default-model-prepared
 SEARCHQA_STAMP := $(VENV)/.searchqa-generated
 WEB_STAMP := $(VENV)/.web-browser-ready
+TASKS_STAMP := $(VENV)/.task-datasets-built
 
 .PHONY: setup model test test-fast demo bench bazel-test clean-venv
 
-setup: $(STAMP) $(MODEL_STAMP) $(SEARCHQA_STAMP) $(WEB_STAMP)
+setup: $(STAMP) $(MODEL_STAMP) $(SEARCHQA_STAMP) $(WEB_STAMP) $(TASKS_STAMP)
 
 # One pip call for runtime and test pins, so transformers/accelerate resolve against the pinned CPU torch.
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
@@ -38,6 +39,11 @@ $(WEB_STAMP): $(STAMP) environments/web/requirements-data.txt
 	command -v chromium >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 	$(PY) -m pip install --quiet --no-deps -r environments/web/requirements-data.txt
+	touch $@
+
+# Every env's train/test task list as a TFDS ArrayRecord dataset in <cache>/tfds (environments/task_datasets.py).
+$(TASKS_STAMP): $(SEARCHQA_STAMP) $(WEB_STAMP) environments/task_datasets.py
+	$(PY) -m environments.task_datasets
 	touch $@
 
 test: setup

@@ -46,7 +46,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = dict(
         steps=150, seed=0, workdir="runs/default", eval_every=25, checkpoint_every=25, keep_checkpoints=3,
         sample_log_count=4, export_final=True, tensorboard=True, progress_bars=True, eval_before=False,
-        report_path="",
+        report_path="", record_rollouts=False,  # True: every episode to <workdir>/rollouts (rollout_records.py)
     )
     c.eval = dict(k=1, greedy=False, horizon=0, batch_tasks=32)
     return c

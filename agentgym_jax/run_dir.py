@@ -29,7 +29,7 @@ MANIFEST = "run.json"
 # What a training run writes into its directory (everything ``--overwrite`` may delete, nothing else).
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "trajectories.jsonl", "tensorboard", "eval_before.json",
                  "eval_before.md", "eval_before.trajectories.jsonl", "eval_after.json", "eval_after.md",
-                 "eval_after.trajectories.jsonl", "report.json", "training.png", "export", MANIFEST)
+                 "eval_after.trajectories.jsonl", "report.json", "training.png", "export", "rollouts", MANIFEST)
 # Sections a resumed run may change: when to stop, log and evaluate, not what is learned.
 RESUMABLE_CHANGES = ("train.steps", "train.progress_bars", "train.tensorboard", "train.report_path",
                      "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints", "train.export_final",

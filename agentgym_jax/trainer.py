@@ -30,6 +30,7 @@ from agentgym_jax.learner import Learner
 from agentgym_jax.metrics_log import MetricLogger, plot_run
 from agentgym_jax.rollout import (END_REASONS, RolloutConfig, RolloutStats, Trajectory, pack_trajectories,
                                   run_rollout)
+from agentgym_jax.rollout_records import RolloutRecorder
 from agentgym_jax.run_config import learner_config_from, resolve_model_path, validate_run_config
 from agentgym_jax.run_dir import atomic_write_text, claim_run_directory
 from agentgym_jax.sampling import Sampler, SamplerConfig
@@ -109,6 +110,7 @@ class Trainer:
         self.logger = MetricLogger(self.workdir, tensorboard=config.train.tensorboard)
         self.checkpointer = RunCheckpointer(checkpoint_dir or self.workdir / "checkpoints",
                                             keep_last=config.train.keep_checkpoints)
+        self.recorder = RolloutRecorder(self.workdir / "rollouts") if config.train.record_rollouts else None
         self.step = 0
 
     # -- data ------------------------------------------------------------------------------------------
@@ -235,6 +237,8 @@ class Trainer:
         })
         count = self.config.train.sample_log_count
         self.logger.write_samples(step, [_readable(t) for t in trajectories[:count]])
+        if self.recorder is not None:
+            self.recorder.write("train", step, trajectories, trained=train_on)
         return metrics
 
     def _batch_multiple(self) -> int:
@@ -395,14 +399,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | 
             if trainer.maybe_resume():
                 report["resumed_from_step"] = trainer.step
             trainer.logger.rewind(trainer.step)  # drops rows logged after the checkpoint (all, if none was saved)
+            if trainer.recorder is not None:
+                trainer.recorder.rewind(trainer.step)
         if config.train.eval_before and trainer.step == 0:
             before, trajectories = trainer.evaluate(trainer.test_tasks, desc="test eval (before)")
             report["eval_before"] = before
             _write_eval(trainer.workdir / "eval_before", before, trajectories)
+            if trainer.recorder is not None:
+                trainer.recorder.write("eval_before", 0, trajectories)
         trainer.fit()
         after, trajectories = trainer.evaluate(trainer.test_tasks, desc="test eval (after)")
         report["eval_after"] = after
         _write_eval(trainer.workdir / "eval_after", after, trajectories)
+        if trainer.recorder is not None:
+            trainer.recorder.write("eval_after", trainer.step, trajectories)
         if config.train.export_final:
             report["export"] = str(trainer.export())
         report["plot"] = str(trainer.plot())
