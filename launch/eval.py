@@ -52,6 +52,8 @@ def main(argv: list[str]) -> None:
         tasks = trainer.test_tasks if _SPLIT.value == "test" else trainer.validation_tasks
         summary, trajectories = trainer.evaluate(tasks, k=_K.value, greedy=_GREEDY.value, desc=f"{_SPLIT.value} eval")
         _write_eval(out / "eval", summary, trajectories)
+        if trainer.recorder is not None:  # --config.train.record_rollouts=True: every episode, for analysis
+            trainer.recorder.write(f"eval_{_SPLIT.value}", trainer.step, trajectories)
         print(evaluation.markdown_table(summary))
         print(f"written to {out}/eval.json and {out}/eval.md")
     finally:

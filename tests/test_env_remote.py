@@ -221,7 +221,11 @@ def test_train_and_eval_against_an_original_server_from_the_command_line(babyai_
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["eval_after"]["overall"]["success_rate"] > 0
     assert report["eval_after"]["settings"]["env_profile"] == "babyai"
-    evaluated = _launch("launch.eval", babyai_original, model, tmp_path / "eval")
+    evaluated = _launch("launch.eval", babyai_original, model, tmp_path / "eval", "--config.train.record_rollouts=True")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     summary = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert summary["overall"]["success_rate"] > 0 and summary["settings"]["env_server"] == babyai_original
+    from agentgym_jax.rollout_records import read_rollouts
+
+    recorded = read_rollouts(tmp_path / "eval" / "rollouts", kind="eval_test")
+    assert len(recorded) == 4 and sum(r["success"] for r in recorded) / 4 == summary["overall"]["success_rate"]
