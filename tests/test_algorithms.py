@@ -184,3 +184,22 @@ def test_environments_name_their_state_for_step_groups(env_name, same, changes):
         assert env.reset(0)[1]["state_key"] == key  # a function of the state, not of the history
     finally:
         env.close()
+
+
+def test_gigpo_trains_through_the_trainer(tmp_path):
+    from agentgym_jax.trainer import Trainer
+    from tests.test_trainer import tiny_config
+    from tests.tiny_models import save_tiny_chat_model
+
+    config = tiny_config(save_tiny_chat_model(tmp_path / "model"), tmp_path / "run", steps=3)
+    config.algo.advantage_estimator = "gigpo"
+    config.algo.estimator_options = {"step_gamma": 0.9}
+    trainer = Trainer(config)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    assert len(history) == 3
+    for row in history:
+        assert row["train/skipped_updates"] == 0 and np.isfinite(row["train/total_loss"])
+        assert row["train/advantages/abs_mean"] > 0 and row["train/optimizer_updates"] >= 1
