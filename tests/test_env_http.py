@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -32,29 +33,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(env: str, *flags: str) -> Iterator[str]:
+@contextlib.contextmanager
+def running_server(module: str, *args: str, wait_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Starts ``python -m <module> --port=<free port> <args>`` on 127.0.0.1, waits until ``GET /`` answers, yields
+    ``(url, process)`` and stops the process afterwards."""
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "launch.serve_env", f"--env={env}", f"--port={port}", *flags],
+        [sys.executable, "-m", module, f"--port={port}", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 if requests.get(url + "/", timeout=1).status_code == 200:
                     break
             except requests.ConnectionError:
                 pass
-            assert process.poll() is None, "the env server exited during start-up"
-            assert time.monotonic() < deadline, "the env server did not start within 60 s"
+            assert process.poll() is None, f"{module} exited during start-up"
+            assert time.monotonic() < deadline, f"{module} did not start within {wait_s:g} s"
             time.sleep(0.1)
-        yield url
+        yield url, process
     finally:
         process.terminate()
-        process.wait(timeout=20)
+        process.wait(timeout=30)
+
+
+def _serve(env: str, *flags: str) -> Iterator[str]:
+    with running_server("launch.serve_env", f"--env={env}", *flags) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from environments.searchqa.flashrag import load_flashrag
 from environments.searchqa.knowledge import KINDS
 from environments.searchqa.retrieval import (RetrievalError, build_bm25_index, format_information,
                                              make_retriever)
-from tests.test_env_http import _free_port, _serve
+from tests.test_env_http import _free_port, _serve, running_server
 
 
 @pytest.fixture(scope="module")
@@ -173,29 +173,8 @@ def test_a_retriever_that_is_down_is_an_observation_not_a_lost_episode(generated
 
 @pytest.fixture(scope="module")
 def retriever_url(generated):
-    port = _free_port()
-    import subprocess
-    import sys
-    import time
-
-    from tests.test_env_http import REPO
-
-    process = subprocess.Popen([sys.executable, "-m", "launch.serve_retriever", f"--port={port}"], cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(url + "/", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, "the retriever did not start"
-            time.sleep(0.2)
+    with running_server("launch.serve_retriever") as (url, _):
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
 
 
 def test_search_r1_requests_and_our_client(retriever_url, generated):

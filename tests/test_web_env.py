@@ -7,15 +7,11 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-import requests
 
 from environments.agentgym_http import AgentGymHTTPEnv
 from environments.base import make_env
@@ -23,8 +19,8 @@ from environments.web import EpisodeFailed, scripted
 from environments.web.browser import chromium_path
 from environments.web.miniwob import MINIWOB_TASKS
 from environments.workers import EnvPool
+from tests.test_env_http import running_server
 
-REPO = Path(__file__).resolve().parents[1]
 SEEN_BROWSER_PIDS: set[int] = set()  # every driver/Chromium process the tests saw; none may outlive the module
 
 try:
@@ -281,29 +277,9 @@ def test_pool_runs_web_episodes_and_a_killed_worker_ends_only_its_episodes():
         SEEN_BROWSER_PIDS.update(p for pid in pool.worker_pids() for p in _browser_pids_under(pid))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_served_over_the_agentgym_http_protocol():
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "launch.serve_env", "--env=miniwob", f"--port={port}",
-         '--env_kwargs={"tasks": ["click-test", "enter-text"]}'],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(url + "/", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "env server did not start"
-            time.sleep(0.2)
+    with running_server("launch.serve_env", "--env=miniwob",
+                        '--env_kwargs={"tasks": ["click-test", "enter-text"]}') as (url, server):
         client = AgentGymHTTPEnv(base_url=url, env_name="miniwob")
         assert "```" in client.instruction() and len(client.tasks("test")) == 40
         observation, info = client.reset(105)
@@ -312,9 +288,6 @@ def test_served_over_the_agentgym_http_protocol():
         assert final.done and final.reward == 1.0 and final.info["success"]
         SEEN_BROWSER_PIDS.update(_browser_pids_under(server.pid))
         client.close()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def test_no_browser_process_survives(local_env, miniwob_env):
