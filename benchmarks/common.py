@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import resource
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -80,3 +81,10 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for servers the benchmarks start)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,10 +26,11 @@ from typing import Any, Callable
 
 import requests
 
+from benchmarks import web
+from benchmarks.common import free_port
 from environments.agentgym_http import AgentGymHTTPEnv
 from environments.base import Environment, make_env, registered_environments
 from environments.workers import EnvPool
-from benchmarks import web
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "envs.json"
@@ -121,16 +121,10 @@ def _pooled(
     return stepped / elapsed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _with_servers(env_name: str, count: int, run: Callable[[list[str]], Any]) -> Any:
     """Starts ``count`` of our env servers on loopback, runs ``run(urls)``, stops them."""
     kwargs = json.dumps(ENV_KWARGS.get(env_name, {}))
-    ports = [_free_port() for _ in range(count)]
+    ports = [free_port() for _ in range(count)]
     processes = [subprocess.Popen(
         [sys.executable, "-m", "launch.serve_env", f"--env={env_name}", f"--port={port}", f"--env_kwargs={kwargs}"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},

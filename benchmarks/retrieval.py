@@ -13,25 +13,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import median, peak_rss_mib, write_json
+from benchmarks.common import free_port, median, peak_rss_mib, write_json
 from environments.searchqa.corpus import write_corpus
 from environments.searchqa.knowledge import KINDS, generate
 from environments.searchqa.retrieval import build_bm25_index, make_retriever
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def recall(retriever, questions, k: int) -> dict[str, dict[str, float]]:
@@ -81,7 +74,7 @@ def main() -> None:
         queries = [q.question for q in questions][: args.speed_queries]
         single = queries_per_second(lambda batch: retriever.search(batch, args.k), queries, 1, args.repeats)
         batched = queries_per_second(lambda batch: retriever.search(batch, args.k), queries, 32, args.repeats)
-        port = _free_port()
+        port = free_port()
         server = subprocess.Popen([sys.executable, "-m", "launch.serve_retriever", f"--port={port}",
                                    f"--index_dir={root / 'bm25'}"], cwd=REPO)
         try:
