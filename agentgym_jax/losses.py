@@ -119,6 +119,18 @@ jax.tree_util.register_dataclass(
 )
 
 
+def clamped_log_ratio(logp: Array, old_logp: Array) -> Array:
+    """``logp - old_logp`` clamped to [-20, 20] (so ``exp`` cannot overflow), in float32."""
+    return jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).astype(jnp.float32)
+
+
+def clipped_surrogate(ratio: Array, advantages: Array, low: float, high: float) -> tuple[Array, Array]:
+    """PPO's pessimistic surrogate ``max(-A r, -A clip(r, 1 - low, 1 + high))`` and where the clipped term won."""
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * jnp.clip(ratio, 1.0 - low, 1.0 + high)
+    return jnp.maximum(unclipped_loss, clipped_loss), (clipped_loss > unclipped_loss).astype(jnp.float32)
+
+
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     logp: Array,
@@ -139,13 +151,10 @@ def ppo_clip_loss(
         raise LossConfigError(f"clip_low and clip_high must be >= 0; got {clip_low}, {clip_high}.")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise LossConfigError(f"clip_ratio_c must be > 1 (e.g. 3.0) or None to disable dual-clip; got {clip_ratio_c}.")
-    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).astype(jnp.float32)
+    log_ratio = clamped_log_ratio(logp, old_logp)
     ratio = jnp.exp(log_ratio)
     advantages = advantages.astype(jnp.float32)
-    unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = jnp.maximum(unclipped_loss, clipped_loss)
-    clipped = (clipped_loss > unclipped_loss).astype(jnp.float32)
+    loss, clipped = clipped_surrogate(ratio, advantages, clip_low, clip_high)
     dual_clipped = jnp.zeros_like(loss)
     if clip_ratio_c is not None:
         bound = -advantages * clip_ratio_c
@@ -171,16 +180,12 @@ def gspo_loss(
     so with per-trajectory advantages and ``seq-mean-token-mean`` aggregation this is GSPO's sequence objective.
     """
     on = loss_mask > 0
-    token_log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).astype(jnp.float32)
+    token_log_ratio = clamped_log_ratio(logp, old_logp)
     count = jnp.maximum(jnp.sum(on, axis=-1, keepdims=True), 1)
     seq_log_ratio = jnp.sum(jnp.where(on, token_log_ratio, 0.0), axis=-1, keepdims=True) / count
     log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logp - jax.lax.stop_gradient(logp)
     ratio = jnp.exp(log_ratio.astype(jnp.float32))
-    advantages = advantages.astype(jnp.float32)
-    unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * jnp.clip(ratio, 1.0 - seq_clip_low, 1.0 + seq_clip_high)
-    loss = jnp.maximum(unclipped_loss, clipped_loss)
-    clipped = (clipped_loss > unclipped_loss).astype(jnp.float32)
+    loss, clipped = clipped_surrogate(ratio, advantages.astype(jnp.float32), seq_clip_low, seq_clip_high)
     return PolicyLossTerms(loss, clipped, jnp.zeros_like(loss), ratio, jnp.broadcast_to(seq_log_ratio, loss.shape))
 
 
@@ -200,7 +205,7 @@ def cispo_loss(
     gradient (``A * weight * grad log p``). The defaults leave no lower bound (``1 - 1 = 0``) and cap the weight
     at 5. ``clipped`` marks tokens whose weight was clipped.
     """
-    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).astype(jnp.float32)
+    log_ratio = clamped_log_ratio(logp, old_logp)
     ratio = jnp.exp(log_ratio)
     weight = jnp.clip(ratio, 1.0 - is_eps_low, 1.0 + is_eps_high)
     loss = -jax.lax.stop_gradient(weight) * advantages.astype(jnp.float32) * logp.astype(jnp.float32)
