@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from environments.searchqa.corpus import CorpusError, Passage, file_fingerprint, iter_corpus
+from environments.searchqa.corpus import CorpusError, Passage, file_fingerprint, iter_corpus, output_marker
 
 
 def write_arrayrecord_corpus(passages: Iterable[Passage], path: str | Path) -> int:
@@ -25,6 +25,7 @@ def write_arrayrecord_corpus(passages: Iterable[Passage], path: str | Path) -> i
     from array_record.python.array_record_module import ArrayRecordWriter
 
     target = Path(path)
+    marker = output_marker(target, "write_arrayrecord_corpus")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.partial")
     writer = ArrayRecordWriter(str(staging), "group_size:1")
@@ -35,6 +36,7 @@ def write_arrayrecord_corpus(passages: Iterable[Passage], path: str | Path) -> i
             count += 1
     finally:
         writer.close()
+    marker.write_text(json.dumps({"passages": count}))
     os.replace(staging, target)
     return count
 

@@ -79,6 +79,15 @@ def _parse_line(line: str, file: Path, number: int) -> Passage:
         raise CorpusError(f"{file}:{number}: not a wiki-18 corpus row ({error!r}): {line[:120]!r}") from None
 
 
+def output_marker(target: Path, tool: str, error: type[EnvError] = CorpusError) -> Path:
+    """The marker file beside ``target`` that says ``tool`` wrote it. Raises ``error`` when ``target`` exists
+    without one: a file this project did not write is never overwritten."""
+    marker = target.with_name(target.name + ".agentgym.json")
+    if target.exists() and not marker.is_file():
+        raise error(f"{target} exists and was not written by {tool}; delete it or choose another path")
+    return marker
+
+
 def file_fingerprint(path: str | Path) -> str:
     """Identifies a corpus file version by path, size and modification time (cheap, no full read)."""
     stat = Path(path).stat()

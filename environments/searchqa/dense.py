@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from environments.searchqa.corpus import JsonlCorpus, file_fingerprint, iter_corpus  # noqa: E402
+from environments.searchqa.corpus import JsonlCorpus, file_fingerprint, iter_corpus, output_marker  # noqa: E402
 from environments.searchqa.retrieval import Hit, RetrievalError, Retriever, register_retriever  # noqa: E402
 
 INDEX_SOURCE = "the original's FAISS Flat index (e5_Flat.index in PeterJinGo/wiki-18-e5-index) or build_dense_index"
@@ -225,10 +225,7 @@ def build_dense_index(corpus_path: str | os.PathLike, encoder_path: str | os.Pat
     import faiss
 
     corpus_file, target = _require(corpus_path, "corpus", CORPUS_SOURCE), Path(index_path)
-    manifest = target.with_name(target.name + ".agentgym.json")  # marks the indexes we wrote
-    if target.exists() and not manifest.is_file():
-        raise RetrievalError(f"{target} exists and was not written by build_dense_index; delete it or choose "
-                             "another index_path")
+    manifest = output_marker(target, "build_dense_index", RetrievalError)
     encoder = DenseEncoder(encoder_path)
     index = faiss.IndexFlatIP(encoder.dim)
     passages = iter_corpus(corpus_file)
