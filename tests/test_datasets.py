@@ -165,3 +165,17 @@ def test_missing_arrayrecord_corpus_names_the_converter(tmp_path):
 
     with pytest.raises(CorpusError, match="arrayrecord_corpus --corpus=FILE"):
         ArrayRecordCorpus(tmp_path / "none.array_record")
+
+
+def test_arrayrecord_corpus_never_overwrites_a_file_it_did_not_write(tmp_path):
+    from environments.searchqa.arrayrecord_corpus import write_arrayrecord_corpus
+    from environments.searchqa.corpus import CorpusError, Passage
+
+    foreign = tmp_path / "mine.array_record"
+    foreign.write_text("user data")
+    with pytest.raises(CorpusError, match="mine.array_record exists and was not written by write_arrayrecord_corpus"):
+        write_arrayrecord_corpus([Passage("a", "A", "alpha")], foreign)
+    assert foreign.read_text() == "user data"
+    ours = tmp_path / "ours.array_record"
+    assert write_arrayrecord_corpus([Passage("a", "A", "alpha")], ours) == 1
+    assert write_arrayrecord_corpus([Passage("a", "A", "alpha"), Passage("b", "B", "beta")], ours) == 2  # ours: replaced
