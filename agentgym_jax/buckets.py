@@ -6,6 +6,10 @@ from typing import Sequence
 
 from agentgym_jax.errors import ConfigError
 
+# Sequence lengths of trajectory batches, packed learner rows and sampler caches.
+LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288,
+                  16384)
+
 
 def bucket(size: int, buckets: Sequence[int], setting: str = "") -> int:
     """The smallest bucket >= ``size``; a clear error when ``size`` exceeds the largest bucket.

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import advantages as adv_lib
-from agentgym_jax import freezing, lora, sharding
+from agentgym_jax import freezing, lora, packing, sharding
 from agentgym_jax.batch import BatchError, TrajectoryBatch
 from agentgym_jax.critic import Critic, copy_tree
 from agentgym_jax.errors import CheckpointError, ConfigError
@@ -270,21 +270,58 @@ class Learner:
         order = np.concatenate([generator.permutation(real), generator.permutation(padding)])
         return [np.sort(order[i::num_minibatches]) for i in range(num_minibatches)]
 
+    def _group_minibatch_order(self, rng: jax.Array, valid_rows: np.ndarray, group_ids: np.ndarray,
+                               num_minibatches: int) -> list[np.ndarray]:
+        """Row indices of each minibatch when packing: whole groups, shuffled, each given to the minibatch with the
+        fewest rows so far (so a group's shared prompt is computed once per minibatch)."""
+        seed = np.asarray(jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng)
+        generator = np.random.default_rng(seed.astype(np.uint32).ravel().tolist())
+        groups = sorted({int(g) for g in group_ids[valid_rows]})
+        minibatches: list[list[int]] = [[] for _ in range(max(1, min(num_minibatches, len(groups))))]
+        for group in generator.permutation(np.asarray(groups, np.int64)):
+            smallest = min(range(len(minibatches)), key=lambda i: len(minibatches[i]))
+            minibatches[smallest].extend(np.flatnonzero(valid_rows & (group_ids == group)).tolist())
+        return [np.sort(np.asarray(rows, np.int64)) for rows in minibatches]
+
+    def _stack(self, prepared: TrainingBatch, index: np.ndarray, group_ids: np.ndarray, minibatch: int,
+               micro: int) -> tuple[TrainingBatch, int]:
+        """One minibatch as device arrays with a leading micro-batch axis, and the token positions it holds."""
+        if not self.config.pack_rows:
+            stack = prepared.map(lambda x: self._put(x[index].reshape(minibatch // micro, micro, *x.shape[1:]), True))
+            return stack, minibatch * prepared.tokens.shape[1]
+        packed = packing.pack_training_batch(prepared.map(lambda x: x[index]), group_ids[index])
+        rows, length = packed.tokens.shape
+        # about `micro` padded rows' worth of tokens per micro-batch; powers of two bound the compiled shapes
+        budget = max(1, micro * prepared.tokens.shape[1] // length)
+        per_micro = min(1 << (budget.bit_length() - 1), 1 << (rows - 1).bit_length())
+        if self.mesh is not None:
+            mesh_rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+            per_micro = -(-per_micro // mesh_rows) * mesh_rows
+        count = 1 << (-(-rows // per_micro) - 1).bit_length()
+        packed = packing.pad_rows(packed, count * per_micro)
+        return packed.map(lambda x: self._put(x.reshape(count, per_micro, *x.shape[1:]), True)), rows * length
+
     def update(self, batch: TrajectoryBatch, rng: jax.Array) -> dict[str, float]:
         """Trains on one rollout batch: ``ppo_epochs`` shuffled passes of minibatch updates. Returns metrics."""
         started = time.perf_counter()
         prepared = self.prepare(batch)
         minibatch, micro = self._sizes(batch)
-        rows, length = prepared.tokens.shape
+        rows = prepared.tokens.shape[0]
         num_minibatches = rows // minibatch
         real_rows = prepared.loss_mask.any(axis=-1)
+        group_ids = np.asarray(batch.group_ids)
         step_metrics = []
+        positions = 0
         with sharding.use_mesh(self.mesh):
             for epoch in range(self.config.ppo_epochs):
-                order = self._minibatch_order(jax.random.fold_in(rng, epoch), real_rows, num_minibatches)
+                epoch_rng = jax.random.fold_in(rng, epoch)
+                if self.config.pack_rows:
+                    order = self._group_minibatch_order(epoch_rng, real_rows, group_ids, num_minibatches)
+                else:
+                    order = self._minibatch_order(epoch_rng, real_rows, num_minibatches)
                 for index in order:
-                    stack = prepared.map(
-                        lambda x: self._put(x[index].reshape(minibatch // micro, micro, *x.shape[1:]), True))
+                    stack, held = self._stack(prepared, index, group_ids, minibatch, micro)
+                    positions += held
                     self._policy, self._opt_state, self._critic, self._critic_opt, metrics = self._train_step(
                         self._policy, self._opt_state, self._critic, self._critic_opt, stack, jnp.int32(self._step)
                     )
@@ -293,7 +330,8 @@ class Learner:
                     step_metrics.append(jax.device_get(metrics))
         self._updates_called += 1
         elapsed = time.perf_counter() - started
-        result = summarize_update(step_metrics, prepared, elapsed, rows * length, self.config.ppo_epochs)
+        result = summarize_update(step_metrics, prepared, elapsed, positions // self.config.ppo_epochs,
+                                  self.config.ppo_epochs)
         result["step"] = float(self._step)
         if result["skipped_updates"]:
             log.warning(

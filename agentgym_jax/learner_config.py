@@ -73,6 +73,9 @@ class LearnerConfig:
     ppo_epochs: int = 1
     minibatch_size: int | None = None
     microbatch_size: int | None = None
+    # packed rows (agentgym_jax.packing): each minibatch holds whole groups, a group's shared prompt is computed
+    # once and trajectories share rows; micro-batches then hold about microbatch_size padded rows' worth of tokens
+    pack_rows: bool = False
     # critic (gae only)
     value_clip: float | None = 0.5
     critic_learning_rate: float = 1e-5
@@ -187,9 +190,25 @@ class LearnerConfig:
         if self.compute_dtype is not None:
             to_dtype(self.compute_dtype)
         _at_least("trainable_layers", self.trainable_layers, 0)
+        if self.pack_rows:
+            self._check_packable()
         if self.trainable_layers and self.uses_critic:
             raise ConfigError("trainable_layers applies to the policy only; with advantage_estimator='gae' the critic "
                               "would train all layers. Set trainable_layers=0 or use a critic-free estimator")
+
+
+    def _check_packable(self) -> None:
+        # A loss that reads the loss mask itself (gspo) or a per-sequence aggregation treats each row as one
+        # trajectory; a critic scores every position of its rows. Neither reads packed rows correctly.
+        if self.loss_aggregation != "token-mean":
+            raise ConfigError(f"pack_rows=True needs loss_aggregation='token-mean' (got {self.loss_aggregation!r}: "
+                              "it averages per row, and a packed row holds several trajectories); set pack_rows=False")
+        if "loss_mask" in losses.POLICY_LOSSES.get(self.policy_loss).requires:
+            raise ConfigError(f"pack_rows=True needs a token-level policy loss; {self.policy_loss!r} computes "
+                              "sequence-level ratios per row. Set pack_rows=False or policy_loss='ppo_clip'")
+        if self.uses_critic:
+            raise ConfigError("pack_rows=True works with critic-free estimators (grpo, rloo, reinforce_pp, gigpo); "
+                              "set pack_rows=False for advantage_estimator='gae'")
 
 
 def import_algorithm_modules(modules: tuple[str, ...]) -> None:

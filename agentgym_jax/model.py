@@ -10,7 +10,8 @@ Two ways to run it:
 * against a KV cache (sampling): ``hidden, cache = model.forward(tokens, positions, cache=cache)`` writes each
   row's new keys/values at that row's own length (``cache.lengths``) and attends to everything before.
 
-Attention is causal by cache slot; rows are right-padded, so a real token never sees a padding slot.
+Attention is causal by cache slot; rows are right-padded, so a real token never sees a padding slot. Packed rows
+(several trajectories per row, see :mod:`agentgym_jax.packing`) pass :class:`Segments` to narrow it further.
 """
 
 from __future__ import annotations
@@ -233,6 +234,25 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return x * cos + rotated * sin
 
 
+# ----------------------------------------------------------------------------------------------- packed rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Who may attend to whom in a packed row ([B, S] each): a token sees an earlier token of its own block only
+    when that token is on branch 0 (the block's shared prefix) or on the token's own branch."""
+
+    blocks: jax.Array  # block id within the row; padding has its own id
+    branches: jax.Array  # 0: the block's shared prefix; k > 0: one trajectory's own tokens
+
+    def allowed(self) -> jax.Array:
+        """[B, S, S] bool: query s may read key t (causality is applied separately)."""
+        same_block = self.blocks[:, :, None] == self.blocks[:, None, :]
+        branch_q, branch_k = self.branches[:, :, None], self.branches[:, None, :]
+        return same_block & ((branch_k == 0) | (branch_k == branch_q))
+
+
 # ----------------------------------------------------------------------------------------------- KV cache
 
 
@@ -329,6 +349,7 @@ class Attention(nnx.Module):
         inv_freq: jax.Array,
         layer_cache: tuple[jax.Array, jax.Array] | None,
         cache_lengths: jax.Array | None,
+        segments: Segments | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
@@ -351,6 +372,8 @@ class Attention(nnx.Module):
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
         key_slots = jnp.arange(k.shape[1], dtype=jnp.int32)
         allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
+        if segments is not None:  # teacher-forced packed rows (no cache): S == T
+            allowed = allowed & segments.allowed()
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(b, s, self.num_kv_heads, group, self.head_dim)
         scores = jnp.einsum("bskgh,btkh->bkgst", q, k).astype(jnp.float32) / math.sqrt(self.head_dim)
@@ -384,8 +407,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions, inv_freq, layer_cache, cache_lengths):
-        attn, layer_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, layer_cache, cache_lengths)
+    def __call__(self, x, positions, inv_freq, layer_cache, cache_lengths, segments=None):
+        attn, layer_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, layer_cache, cache_lengths,
+                                           segments)
         x = sharding.constrain(x + attn, "hidden")
         x = sharding.constrain(x + self.mlp(self.post_attention_layernorm(x)), "hidden")
         return x, layer_cache
@@ -415,14 +439,18 @@ class DecoderLM(nnx.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
     def forward(
-        self, tokens: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None
+        self, tokens: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None,
+        segments: Segments | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, S, D] for ``tokens`` [B, S] (right-padded rows), and the updated cache.
 
         Without a cache, row b's token s sits at slot s. With a cache, it is written at slot
         ``cache.lengths[b] + s``; the caller advances ``lengths`` by the number of real new tokens.
-        ``positions`` (RoPE positions) default to the slots.
+        ``positions`` (RoPE positions) default to the slots. ``segments`` (packed rows, no cache) restricts
+        attention to each token's own trajectory.
         """
+        if segments is not None and cache is not None:
+            raise ConfigError("segments describe packed teacher-forced rows; they cannot be used with a KV cache")
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -439,9 +467,9 @@ class DecoderLM(nnx.Module):
                 # differentiated adapters and the fixed base weights), which nnx.remat's in-place updates refuse.
                 graphdef, layer_state = nnx.split(layer)
                 run = jax.checkpoint(lambda state, *a, graphdef=graphdef: nnx.merge(graphdef, state)(*a))
-                x, layer_cache = run(layer_state, x, positions, inv_freq, layer_cache, lengths)
+                x, layer_cache = run(layer_state, x, positions, inv_freq, layer_cache, lengths, segments)
             else:
-                x, layer_cache = layer(x, positions, inv_freq, layer_cache, lengths)
+                x, layer_cache = layer(x, positions, inv_freq, layer_cache, lengths, segments)
             if i + 1 == self.config.frozen_layers:  # no backward pass below this point
                 x = jax.lax.stop_gradient(x)
             if layer_cache is not None:

@@ -16,7 +16,7 @@ from agentgym_jax import losses
 from agentgym_jax.buckets import bucket
 from agentgym_jax.critic import Critic
 from agentgym_jax.learner_config import LearnerConfig
-from agentgym_jax.model import DecoderLM, to_dtype
+from agentgym_jax.model import DecoderLM, Segments, to_dtype
 
 Array = jax.Array
 
@@ -37,6 +37,16 @@ class TrainingBatch:
     valid: Any  # [B]
     ref_logp: Any = None  # with a reference policy
     old_values: Any = None  # with a critic
+    # Packed rows only (agentgym_jax.packing): where each scored token's predicting state sits [B, K], the RoPE
+    # position of every token and the attention segments [B, T].
+    sources: Any = None
+    rope_positions: Any = None
+    blocks: Any = None
+    branches: Any = None
+
+    @property
+    def segments(self) -> Segments | None:
+        return None if self.blocks is None else Segments(self.blocks, self.branches)
 
     def map(self, fn: Callable[[Any], Any]) -> "TrainingBatch":
         """Applies ``fn`` to every present field (e.g. row selection, stacking, device placement)."""
@@ -84,11 +94,15 @@ def agent_positions(loss_mask: np.ndarray) -> np.ndarray:
 
 
 def selected_logprobs(hidden: Array, tokens: Array, head: Array, positions: Array, temperature: float,
-                      chunk_size: int | None = None) -> tuple[Array, Array]:
-    """``(logp, entropy)`` [B, T] at ``positions`` [B, K] (-1 = none) from hidden states [B, T, D]; 0 elsewhere."""
+                      chunk_size: int | None = None, sources: Array | None = None) -> tuple[Array, Array]:
+    """``(logp, entropy)`` [B, T] at ``positions`` [B, K] (-1 = none) from hidden states [B, T, D]; 0 elsewhere.
+
+    The state that predicts the token at a position is the one just before it, or ``sources`` [B, K] (packed rows).
+    """
     valid = positions > 0
     index = jnp.maximum(positions, 1)
-    before = jnp.take_along_axis(hidden, (index - 1)[..., None], axis=1)  # the state that predicts each token
+    source = index - 1 if sources is None else jnp.maximum(sources, 0)
+    before = jnp.take_along_axis(hidden, source[..., None], axis=1)  # the state that predicts each token
     targets = jnp.take_along_axis(tokens, index, axis=1)
     if temperature != 1.0:
         before = (before.astype(jnp.float32) / temperature).astype(before.dtype)
@@ -109,14 +123,21 @@ def selected_logprobs(hidden: Array, tokens: Array, head: Array, positions: Arra
 
 def token_logprobs(
     model: DecoderLM, tokens: Array, temperature: float = 1.0, chunk_size: int | None = None,
-    positions: Array | None = None,
+    positions: Array | None = None, packed: TrainingBatch | None = None,
 ) -> tuple[Array, Array]:
     """``(logp, entropy)`` [B, T] float32 of each token of ``tokens`` [B, T] (0 at position 0).
 
     With ``positions`` ([B, K] from :func:`agent_positions`) only those tokens are scored (0 elsewhere). With
     ``chunk_size`` the ``[B, T, V]`` logits are never materialized at once (see
-    :func:`losses.chunked_logprobs_and_entropy`); ``T`` is padded internally to a multiple of it.
+    :func:`losses.chunked_logprobs_and_entropy`); ``T`` is padded internally to a multiple of it. ``packed`` (a
+    packed batch: its sources, RoPE positions and segments) scores packed rows; it needs ``positions``.
     """
+    if packed is not None and packed.blocks is not None:
+        if positions is None:
+            raise ValueError("packed rows are scored at agent positions only; pass positions")
+        hidden, _ = model.forward(tokens, packed.rope_positions, segments=packed.segments)
+        return selected_logprobs(hidden, tokens, unembedding(model), positions, temperature, chunk_size,
+                                 packed.sources)
     hidden, _ = model.forward(tokens)
     if positions is not None:
         return selected_logprobs(hidden, tokens, unembedding(model), positions, temperature, chunk_size)
@@ -189,7 +210,7 @@ def policy_loss(
     """The train step's policy loss of one micro-batch (its log-probs at ``micro.positions``, then
     :func:`policy_loss_terms`)."""
     logp, entropy = token_logprobs(model, micro.tokens, config.temperature, config.logprob_chunk_size,
-                                   micro.positions)
+                                   micro.positions, packed=micro)
     return policy_loss_terms(logp, entropy, micro, denominator, config)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agentgym_jax import evaluation, hf, schedule, sharding
-from agentgym_jax.buckets import bucket
+from agentgym_jax.buckets import LENGTH_BUCKETS, bucket
 from agentgym_jax.chat import ChatTokenizer
 from agentgym_jax.checkpoint import RunCheckpointer
 from agentgym_jax.diagnostics import SignalMonitor, learner_diagnostics, rollout_diagnostics
@@ -35,8 +35,6 @@ from agentgym_jax.run_config import learner_config_from, resolve_model_path, val
 from agentgym_jax.run_dir import atomic_write_text, claim_run_directory
 from agentgym_jax.sampling import Sampler, SamplerConfig
 
-LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288,
-                  16384)
 
 
 def _filter_tasks(tasks: Sequence[Any], subtasks: Sequence[str]) -> list[Any]:
