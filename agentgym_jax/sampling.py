@@ -225,7 +225,9 @@ class SamplerConfig:
     stop_token_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     logprob_temperature: float = 1.0  # returned log-probs are of logits / this (the learner's temperature)
-    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    # New tokens per row of a call. A row continuing from a cached prompt brings one token (its last): padding it
+    # to 16 would run the model over 16x the positions, so the small buckets matter.
+    token_buckets: tuple[int, ...] = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     new_token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     # Live-window attention (off when empty): each call attends over only the first W cache slots, W the

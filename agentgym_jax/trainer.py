@@ -76,7 +76,7 @@ class Trainer:
                                  cache_dtype=config.model.dtype,
                                  logprob_temperature=float(config.algo.temperature),
                                  window_buckets=tuple(b for b in LENGTH_BUCKETS if b < cache_length),
-                                 token_buckets=(16, 32, 64, 128) + tuple(b for b in LENGTH_BUCKETS if b > 128)),
+                                 token_buckets=(1, 4, 16, 32, 64, 128) + tuple(b for b in LENGTH_BUCKETS if b > 128)),
             mesh=self.mesh,
         )
         self.sampler.update_params(self.learner.policy_state)

@@ -39,21 +39,21 @@ def get_config(variant: str = ""):
     del variant
     c = base_config()
     c.env.name = "babyai"
-    c.env.kwargs = dict(action_matching="closest", instruction_style="brief", num_test_seeds=10,
+    c.env.kwargs = dict(action_matching="closest", instruction_style="brief", num_test_seeds=30,
                         num_train_seeds=100, levels=())  # levels: () keeps all; the GoTo subtask selects the family
     c.env.num_workers = 1
     c.env.train_subtasks = ("GoTo",)
     c.env.test_subtasks = ("GoTo",)
-    c.data.update(dict(tasks_per_step=6, samples_per_task=4, validation_tasks=0, test_tasks=80,
+    c.data.update(dict(tasks_per_step=6, samples_per_task=4, validation_tasks=0, test_tasks=240,
                        dynamic_sampling=True, dynamic_max_rounds=2, dynamic_oversample=2.0))
     c.rollout.update(dict(max_turn_tokens=16, max_trajectory_tokens=640, temperature=0.7, canned_reply="",
                           response_prefix="Action:\n", stop_at_newline=True))
     c.horizon.type, c.horizon.turns = "fixed", 1
     c.algo.update(dict(
-        old_logp_source="sampler", learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8,
+        old_logp_source="sampler", pack_rows=True, loss_aggregation="token-mean", learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8,
         microbatch_size=4, logprob_chunk_size=128, trainable_layers=8, kl_coef=0.0, use_reference=False,
         temperature=0.7))
-    c.train.update(dict(steps=11, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=11, eval_before=True,
+    c.train.update(dict(steps=18, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=18, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
-    c.eval.update(dict(k=1, greedy=True, batch_tasks=40, horizon=2))
+    c.eval.update(dict(k=1, greedy=True, batch_tasks=80, horizon=2))
     return c
