@@ -55,5 +55,5 @@ def get_config(variant: str = ""):
         temperature=0.7))
     c.train.update(dict(steps=14, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=14, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
-    c.eval.update(dict(k=1, greedy=True, batch_tasks=60, horizon=2))
+    c.eval.update(dict(k=1, greedy=True, batch_tasks=60, horizon=1))
     return c
