@@ -270,19 +270,6 @@ class Learner:
         order = np.concatenate([generator.permutation(real), generator.permutation(padding)])
         return [np.sort(order[i::num_minibatches]) for i in range(num_minibatches)]
 
-    def _group_minibatch_order(self, rng: jax.Array, valid_rows: np.ndarray, group_ids: np.ndarray,
-                               num_minibatches: int) -> list[np.ndarray]:
-        """Row indices of each minibatch when packing: whole groups, shuffled, each given to the minibatch with the
-        fewest rows so far (so a group's shared prompt is computed once per minibatch)."""
-        seed = np.asarray(jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng)
-        generator = np.random.default_rng(seed.astype(np.uint32).ravel().tolist())
-        groups = sorted({int(g) for g in group_ids[valid_rows]})
-        minibatches: list[list[int]] = [[] for _ in range(max(1, min(num_minibatches, len(groups))))]
-        for group in generator.permutation(np.asarray(groups, np.int64)):
-            smallest = min(range(len(minibatches)), key=lambda i: len(minibatches[i]))
-            minibatches[smallest].extend(np.flatnonzero(valid_rows & (group_ids == group)).tolist())
-        return [np.sort(np.asarray(rows, np.int64)) for rows in minibatches]
-
     def _stack(self, prepared: TrainingBatch, index: np.ndarray, group_ids: np.ndarray, minibatch: int,
                micro: int) -> tuple[TrainingBatch, int]:
         """One minibatch as device arrays with a leading micro-batch axis, and the token positions it holds."""
@@ -314,11 +301,8 @@ class Learner:
         positions = 0
         with sharding.use_mesh(self.mesh):
             for epoch in range(self.config.ppo_epochs):
-                epoch_rng = jax.random.fold_in(rng, epoch)
-                if self.config.pack_rows:
-                    order = self._group_minibatch_order(epoch_rng, real_rows, group_ids, num_minibatches)
-                else:
-                    order = self._minibatch_order(epoch_rng, real_rows, num_minibatches)
+                # packing changes how a minibatch is laid out, never which trajectories it holds
+                order = self._minibatch_order(jax.random.fold_in(rng, epoch), real_rows, num_minibatches)
                 for index in order:
                     stack, held = self._stack(prepared, index, group_ids, minibatch, micro)
                     positions += held

@@ -73,8 +73,8 @@ class LearnerConfig:
     ppo_epochs: int = 1
     minibatch_size: int | None = None
     microbatch_size: int | None = None
-    # packed rows (agentgym_jax.packing): each minibatch holds whole groups, a group's shared prompt is computed
-    # once and trajectories share rows; micro-batches then hold about microbatch_size padded rows' worth of tokens
+    # packed rows (agentgym_jax.packing): within a minibatch, the members of a group share one copy of their prompt
+    # and trajectories share rows; micro-batches then hold about microbatch_size padded rows' worth of tokens
     pack_rows: bool = False
     # critic (gae only)
     value_clip: float | None = 0.5

@@ -131,16 +131,6 @@ def test_packed_update_on_a_mesh_matches_single_device(model_dir):
         np.testing.assert_allclose(_params(sharded)[key], value, atol=2e-5, err_msg=key)
 
 
-def test_minibatches_hold_whole_groups(model_dir):
-    learner = Learner(hf.load_model(model_dir), LearnerConfig(pack_rows=True, minibatch_size=6, kl_coef=0.0,
-                                                              use_reference=False, loss_aggregation="token-mean"))
-    groups = np.repeat(np.arange(3), 4)
-    order = learner._group_minibatch_order(jax.random.PRNGKey(0), np.ones(12, bool), groups, 2)
-    assert sorted(np.concatenate(order).tolist()) == list(range(12))
-    for rows in order:
-        assert all((groups[rows] == g).sum() in (0, 4) for g in range(3))
-
-
 @pytest.mark.parametrize("overrides, message", [
     (dict(loss_aggregation="seq-mean-token-mean"), "pack_rows=True needs loss_aggregation='token-mean'"),
     (dict(policy_loss="gspo"), "needs a token-level policy loss; 'gspo'"),
