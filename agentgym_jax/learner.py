@@ -276,11 +276,12 @@ class Learner:
         if not self.config.pack_rows:
             stack = prepared.map(lambda x: self._put(x[index].reshape(minibatch // micro, micro, *x.shape[1:]), True))
             return stack, minibatch * prepared.tokens.shape[1]
-        packed = packing.pack_training_batch(prepared.map(lambda x: x[index]), group_ids[index])
+        # rows as long as the padded ones: one compiled shape per batch length, not one per packed length
+        width = prepared.tokens.shape[1]
+        packed = packing.pack_training_batch(prepared.map(lambda x: x[index]), group_ids[index], (width,))
         rows, length = packed.tokens.shape
-        # about `micro` padded rows' worth of tokens per micro-batch; powers of two bound the compiled shapes
-        budget = max(1, micro * prepared.tokens.shape[1] // length)
-        per_micro = min(1 << (budget.bit_length() - 1), 1 << (rows - 1).bit_length())
+        # at most `micro` rows per micro-batch; powers of two bound the compiled shapes
+        per_micro = min(1 << (micro.bit_length() - 1), 1 << (rows - 1).bit_length())
         if self.mesh is not None:
             mesh_rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
             per_micro = -(-per_micro // mesh_rows) * mesh_rows

@@ -74,7 +74,7 @@ class LearnerConfig:
     minibatch_size: int | None = None
     microbatch_size: int | None = None
     # packed rows (agentgym_jax.packing): within a minibatch, the members of a group share one copy of their prompt
-    # and trajectories share rows; micro-batches then hold about microbatch_size padded rows' worth of tokens
+    # and trajectories share rows as long as the padded ones; a micro-batch holds at most microbatch_size of them
     pack_rows: bool = False
     # critic (gae only)
     value_clip: float | None = 0.5

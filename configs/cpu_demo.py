@@ -55,7 +55,7 @@ def get_config(variant: str = ""):
         old_logp_source="sampler", pack_rows=True, loss_aggregation="token-mean", learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8,
         microbatch_size=4, logprob_chunk_size=128, trainable_layers=8, kl_coef=0.0, use_reference=False,
         temperature=0.7))
-    c.train.update(dict(steps=14, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=14, eval_before=True,
+    c.train.update(dict(steps=12, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=12, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
     c.eval.update(dict(k=1, greedy=True, batch_tasks=60, horizon=1))
     return c
