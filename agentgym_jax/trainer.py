@@ -113,10 +113,21 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------------------------
 
+    def _task_list(self, split: str) -> list[Any]:
+        """This process's share of a split's tasks (all of it in a one-process run), read from the environment's
+        TFDS task dataset for these env arguments (built on first use); an env server given by URL lists its own."""
+        env = self.config.env
+        if env.remote:
+            return list(self.pool.tasks(split))
+        from environments.task_datasets import ensure_task_dataset, read_tasks
+
+        ensure_task_dataset(env.name, dict(env.kwargs), tuple(env.import_modules))
+        return read_tasks(env.name, split, jax.process_index(), jax.process_count(), env_kwargs=dict(env.kwargs))
+
     def _split_tasks(self) -> None:
         config = self.config
-        train = _filter_tasks(self.pool.tasks("train"), config.env.train_subtasks)
-        test = _filter_tasks(self.pool.tasks("test"), config.env.test_subtasks)
+        train = _filter_tasks(self._task_list("train"), config.env.train_subtasks)
+        test = _filter_tasks(self._task_list("test"), config.env.test_subtasks)
         if config.data.train_task_limit:
             train = train[: config.data.train_task_limit]
         order = np.random.default_rng(config.train.seed).permutation(len(train))

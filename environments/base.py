@@ -111,14 +111,19 @@ def registered_environments() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_env(name: str, **kwargs: Any) -> Environment:
-    """Builds a registered environment by name, e.g. ``make_env("textcraft")``."""
+def registered_factory(name: str) -> Callable[..., Environment]:
+    """What :func:`make_env` calls for ``name`` (an environment class or factory)."""
     _import_builtin_environments()
     if name not in _REGISTRY:
         raise UnknownEnvironmentError(
             f"unknown environment {name!r}; registered environments: {', '.join(sorted(_REGISTRY))}"
         )
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name]
+
+
+def make_env(name: str, **kwargs: Any) -> Environment:
+    """Builds a registered environment by name, e.g. ``make_env("textcraft")``."""
+    return registered_factory(name)(**kwargs)
 
 
 def check_split(split: str) -> str:

@@ -7,11 +7,9 @@ writes ``<out_dir>/<env>_<split>.jsonl``, one task a line:
 ``item_id`` is the original AgentGym-RL row format (``<task>_<int>``); the extra fields are whatever the
 environment's ``task_details(task_id)`` reports (goal item, ScienceWorld task and variation, ...).
 
-Why plain files rather than tensorflow-datasets builders: the lists are small (at most a few thousand
-rows), they are pure functions of the installed packages (recomputed in milliseconds, or read from a
-committed catalogue for SciWorld), and a trainer needs them in order, whole, not streamed. A JSONL file
-is readable, diffable and needs no build step or TFDS import; the environments' ``tasks(split)`` stay
-the source of truth and these files are exports of it.
+These files are exports for reading and diffing. The trainer and ``launch.eval`` read their task lists from the
+TFDS task datasets (:mod:`environments.task_datasets`), which give each process of a multi-process run its own
+share; both come from the environments' ``tasks(split)``, the source of truth.
 """
 
 from __future__ import annotations

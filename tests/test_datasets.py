@@ -131,10 +131,74 @@ def test_unbuilt_or_unknown_task_dataset_names_the_fix(tmp_path, task_data_dir):
 
     with pytest.raises(TaskDatasetError, match="make setup"):
         task_source("babyai", "train", data_dir=tmp_path)
-    with pytest.raises(TaskDatasetError, match="no task dataset for 'webarena'"):
+    with pytest.raises(TaskDatasetError, match="webarena's tasks need its live sites"):
         task_source("webarena", "train", data_dir=task_data_dir)
     with pytest.raises(TaskDatasetError, match="process_index=2"):
         task_source("babyai", "train", process_index=2, process_count=2, data_dir=task_data_dir)
+
+
+def test_env_arguments_get_their_own_task_dataset(tmp_path):
+    from environments.base import make_env
+    from environments.task_datasets import ensure_task_dataset, read_tasks, task_builder
+
+    kwargs = dict(num_test_seeds=2, num_train_seeds=3)
+    built = ensure_task_dataset("babyai", kwargs, data_dir=tmp_path)
+    assert built.builder_config.name.startswith("babyai-") and built.builder_config.name != "babyai"
+    assert not task_builder("babyai", tmp_path).is_prepared()  # the default arguments are another dataset
+    env = make_env("babyai", **kwargs)
+    try:
+        for split in ("train", "test"):
+            assert read_tasks("babyai", split, data_dir=tmp_path, env_kwargs=kwargs) == env.tasks(split)
+    finally:
+        env.close()
+    assert len(read_tasks("babyai", "test", data_dir=tmp_path, env_kwargs=kwargs)) == 2 * 40
+    again = ensure_task_dataset("babyai", kwargs, data_dir=tmp_path)  # reused, not rebuilt
+    assert again.data_dir == built.data_dir
+
+
+def test_changed_environment_code_gives_another_task_dataset(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    from environments.task_datasets import task_set_config
+
+    module = tmp_path / "my_tasks_env.py"
+    source = (
+        "from environments.base import Environment, Task, register\n"
+        "@register('my_tasks_env')\n"
+        "class MyEnv(Environment):\n"
+        "    name = 'my_tasks_env'\n"
+        "    def tasks(self, split): return [Task(i, split, 'a') for i in range({count})]\n"
+    )
+    module.write_text(source.format(count=3))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("my_tasks_env")
+    first = task_set_config("my_tasks_env", {}, ("my_tasks_env",)).name
+    assert first == task_set_config("my_tasks_env", {}, ("my_tasks_env",)).name  # stable
+    assert first != task_set_config("my_tasks_env", {"x": 1}, ("my_tasks_env",)).name  # other arguments
+    module.write_text(source.format(count=4))  # the task list changed: the old dataset must not be read
+    assert first != task_set_config("my_tasks_env", {}, ("my_tasks_env",)).name
+    sys.modules.pop("my_tasks_env", None)
+
+
+def test_the_trainer_reads_its_tasks_from_the_task_dataset(tiny_dir, tmp_path, monkeypatch):
+    import environments.task_datasets as task_datasets
+    from agentgym_jax.trainer import Trainer
+
+    monkeypatch.setenv("AGENTGYM_JAX_TASK_DATA", str(tmp_path / "tasks"))
+    reads = []
+    real_read = task_datasets.read_tasks
+    monkeypatch.setattr(task_datasets, "read_tasks", lambda *a, **k: reads.append((a, k)) or real_read(*a, **k))
+    config = tiny_config(tiny_dir, tmp_path / "run", steps=1)
+    trainer = Trainer(config)
+    try:
+        assert [a[:2] for a, _ in reads] == [(config.env.name, "train"), (config.env.name, "test")]
+        env_train = {t.task_id for t in trainer.pool.tasks("train")}  # the env itself, in its worker
+        assert {t.task_id for t in trainer.train_tasks + trainer.validation_tasks} == env_train
+        assert {t.task_id for t in trainer.test_tasks} <= {t.task_id for t in trainer.pool.tasks("test")}
+        assert (tmp_path / "tasks" / "agentgym_tasks").is_dir()
+    finally:
+        trainer.close()
 
 
 # -- the ArrayRecord corpus -----------------------------------------------------------------------------------

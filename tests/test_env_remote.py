@@ -198,7 +198,9 @@ def _launch(module: str, url: str, model: Path, workdir: Path, *extra: str) -> s
         "--config.rollout.max_turn_tokens=1", "--config.data.test_tasks=4", "--config.env.num_workers=1",
         "--config.env.kwargs.levels=('BabyAI-GoToRedBallGrey-v0',)", "--config.eval.batch_tasks=4",
         "--config.train.progress_bars=False", "--config.train.report_path=", "--config.algo.trainable_layers=0",
-        "--config.rollout.max_trajectory_tokens=1024", *extra,
+        "--config.rollout.max_trajectory_tokens=1024",
+        # the test's own task draw and horizon (the scripted action reaches the ball on some of these tasks)
+        "--config.env.kwargs.num_test_seeds=10", "--config.eval.horizon=2", *extra,
     ]
     if module == "launch.train":
         command += [f"--workdir={workdir}", "--config.train.steps=1", "--config.data.tasks_per_step=2",

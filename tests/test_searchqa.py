@@ -256,3 +256,34 @@ def test_a_tiny_training_run_on_searchqa_writes_its_reports(tmp_path):
     assert settings["env"] == "searchqa" and settings["stop_strings"] == ["</search>"]
     assert set(saved["eval_after"]["subtasks"]) <= set(KINDS)
     assert (tmp_path / "run" / "training.png").is_file() and (tmp_path / "run" / "eval_after.md").is_file()
+
+
+def test_question_records_read_back_as_the_question_set(tmp_path, generated):
+    from environments.searchqa.dataset import QuestionSet
+    from environments.searchqa.question_records import QuestionRecords, QuestionRecordsError, main
+
+    directory, questions = generated
+    out = tmp_path / "generated.array_record"
+    main(["--generated", f"--out={out}"])  # the one command, on the generated set
+    records, in_memory = QuestionRecords(out), QuestionSet(questions, "memory")
+    assert len(records) == len(questions) == 3207
+    for split in ("train", "test"):
+        assert records.tasks(split) == in_memory.tasks(split)
+    for question in random.Random(0).sample(questions, 50):
+        assert records[question.item_id] == question
+    with pytest.raises(InvalidTaskError, match="item id 10000000 is not in"):
+        records[10_000_000]
+    records.close()
+    records.close()  # twice is fine
+    # the env plays from the file, a question at a time
+    environment = make_env("searchqa", dataset="records", questions_path=str(out), index_dir=str(directory / "bm25"))
+    first = environment.tasks("test")[0]
+    assert environment.reset(first.task_id)[0] == f"Question: {in_memory[first.task_id].question}"
+    environment.close()
+    foreign = tmp_path / "theirs.array_record"
+    foreign.write_text("not ours")
+    with pytest.raises(QuestionRecordsError, match="was not written by write_question_records"):
+        main(["--generated", f"--out={foreign}"])
+    assert foreign.read_text() == "not ours"
+    with pytest.raises(EnvError, match="dataset='records' needs questions_path"):
+        make_env("searchqa", dataset="records")

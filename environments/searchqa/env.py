@@ -8,7 +8,9 @@ is told so and may go on. A turn with neither tag gets the format hint. ``info``
 doc ids and, for a search that could not be served, the reason (the episode goes on).
 
 Questions: the generated set (``dataset="generated"``, built into the cache, see ``dataset.py``) or the
-original's FlashRAG files (``dataset="flashrag", flashrag_dir=...``). Retrieval: ``retriever="bm25"`` (default;
+original's FlashRAG files (``dataset="flashrag", flashrag_dir=...``), or either converted to one ArrayRecord file
+(``dataset="records", questions_path=...``, see ``question_records.py``: a worker reads a question when it plays
+it). Retrieval: ``retriever="bm25"`` (default;
 ``index_dir`` or the generated set's index), ``"dense"`` (``dense_index``, ``dense_corpus``, ``dense_encoder``) or
 ``"http"`` (``retriever_url``, a Search-R1 ``/retrieve`` server).
 """
@@ -43,7 +45,7 @@ class SearchQA(Environment):
     def __init__(self, dataset: str = "generated", seed: int = 0, flashrag_dir: str = "",
                  flashrag_datasets: Sequence[str] = (), retriever: str = "", index_dir: str = "",
                  retriever_url: str = "", dense_index: str = "", dense_corpus: str = "", dense_encoder: str = "",
-                 top_k: int = 3) -> None:
+                 top_k: int = 3, questions_path: str = "") -> None:
         from environments.searchqa import dataset as datasets
 
         if int(top_k) < 1:
@@ -61,8 +63,15 @@ class SearchQA(Environment):
                 raise EnvError("dataset='flashrag' needs flashrag_dir=<directory of FlashRAG's QA files>")
             self.questions = datasets.QuestionSet(load_flashrag(flashrag_dir, tuple(flashrag_datasets)),
                                                   f"FlashRAG files in {flashrag_dir}")
+        elif dataset == "records":  # an ArrayRecord question file (question_records.py): read per question
+            from environments.searchqa.question_records import QuestionRecords
+
+            if not questions_path:
+                raise EnvError("dataset='records' needs questions_path=<file written by "
+                               "`python -m environments.searchqa.question_records`>")
+            self.questions = QuestionRecords(questions_path)
         else:
-            raise EnvError(f"unknown searchqa dataset {dataset!r}; use 'generated' or 'flashrag'")
+            raise EnvError(f"unknown searchqa dataset {dataset!r}; use 'generated', 'flashrag' or 'records'")
         self._retriever_spec = _retriever_spec(retriever, index_dir, retriever_url, dense_index, dense_corpus,
                                                dense_encoder)
         self._retriever: Retriever | None = None
@@ -135,6 +144,8 @@ class SearchQA(Environment):
         if self._retriever is not None:
             self._retriever.close()
             self._retriever = None
+        if hasattr(self.questions, "close"):
+            self.questions.close()
 
 
 def _retriever_spec(name: str, index_dir: str, url: str, dense_index: str, dense_corpus: str,
