@@ -282,9 +282,8 @@ class Learner:
         rows, length = packed.tokens.shape
         # at most `micro` rows per micro-batch; powers of two bound the compiled shapes
         per_micro = min(1 << (micro.bit_length() - 1), 1 << (rows - 1).bit_length())
-        if self.mesh is not None:
-            mesh_rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-            per_micro = -(-per_micro // mesh_rows) * mesh_rows
+        mesh_rows = sharding.batch_rows(self.mesh)
+        per_micro = -(-per_micro // mesh_rows) * mesh_rows
         count = 1 << (-(-rows // per_micro) - 1).bit_length()
         packed = packing.pad_rows(packed, count * per_micro)
         return packed.map(lambda x: self._put(x.reshape(count, per_micro, *x.shape[1:]), True)), rows * length

@@ -259,10 +259,8 @@ class Sampler:
     def batch_bucket(self, batch: int) -> int:
         """Padded batch size for ``batch`` rows (a multiple of the mesh's batch axes)."""
         size = bucket(batch, self.config.batch_buckets)
-        if self.mesh is not None:
-            multiple = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-            size = -(-size // multiple) * multiple
-        return size
+        multiple = sharding.batch_rows(self.mesh)
+        return -(-size // multiple) * multiple
 
     def window(self, lengths: np.ndarray, new_lengths: np.ndarray, max_new_tokens: Sequence[int]) -> int:
         """Cache slots a call attends over: a window bucket covering every active row's final length."""

@@ -161,11 +161,16 @@ def check_model_fits_mesh(config: Any, mesh: Mesh) -> None:
             )
 
 
+def batch_rows(mesh: Mesh | None) -> int:
+    """How many ways batch rows are split: the size of the ``(data, fsdp)`` axes (1 without a mesh)."""
+    return 1 if mesh is None else _axis_size(mesh, BATCH)
+
+
 def check_batch_fits_mesh(batch_size: int, mesh: Mesh | None) -> None:
     """Batch rows are split over ``(data, fsdp)``; the row count must divide evenly."""
     if mesh is None:
         return
-    size = _axis_size(mesh, BATCH)
+    size = batch_rows(mesh)
     if batch_size % size:
         raise ConfigError(
             f"batch of {batch_size} rows is not divisible by data x fsdp = {size}; "

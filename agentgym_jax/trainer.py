@@ -253,10 +253,7 @@ class Trainer:
     def _batch_multiple(self) -> int:
         algo = self.config.algo
         multiple = int(np.lcm(max(1, int(algo.minibatch_size or 1)), max(1, int(algo.microbatch_size or 1))))
-        if self.mesh is not None:
-            mesh_rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-            multiple = int(np.lcm(multiple, mesh_rows))
-        return multiple
+        return int(np.lcm(multiple, sharding.batch_rows(self.mesh)))
 
     @staticmethod
     def _rollout_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
