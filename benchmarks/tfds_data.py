@@ -26,12 +26,16 @@ from typing import Iterator
 from benchmarks.common import RESULTS_DIR, cpu_facts, write_json
 from environments.searchqa.corpus import Passage, iter_corpus
 
-_READER = r"""
+# Shared start of the reader scripts: each runs in a fresh process, so its RSS is its own.
+_PRELUDE = r"""
 import json, random, sys, time
 def rss_mib(field="VmRSS"):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
+"""
+
+_READER = _PRELUDE + r"""
 kind, path, offsets, reads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 if kind == "arrayrecord":
     from environments.searchqa.arrayrecord_corpus import ArrayRecordCorpus
@@ -49,12 +53,7 @@ print(json.dumps({"rss_before_open_mib": before, "rss_after_reads_mib": rss_mib(
 """
 
 
-_QUESTION_READER = r"""
-import json, random, sys, time
-def rss_mib(field="VmRSS"):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
+_QUESTION_READER = _PRELUDE + r"""
 kind, path, reads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 from environments.searchqa.dataset import QuestionSet, read_questions
 from environments.searchqa.question_records import QuestionRecords
@@ -93,13 +92,7 @@ def questions_part(count: int, reads: int, scratch: Path) -> dict:
     write_question_records(questions, records)
     t2 = time.perf_counter()
     del questions
-    root = Path(__file__).resolve().parents[1]
-
-    def measure(kind: str, path: Path) -> dict:
-        done = subprocess.run([sys.executable, "-c", _QUESTION_READER, kind, str(path), str(reads)], cwd=root,
-                              capture_output=True, text=True, check=True)
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
+    measure = lambda kind, path: run_reader(_QUESTION_READER, kind, path, reads)  # noqa: E731
     index = records.with_name(records.name + ".index.npz")
     return {"questions": count, "random_reads": reads,
             "jsonl_in_memory": {"build_s": t1 - t0, "size_mib": jsonl.stat().st_size / 2**20, **measure("jsonl", jsonl)},
@@ -117,11 +110,16 @@ def synthetic_passages(source: Path, count: int) -> Iterator[Passage]:
                       page.text if copy == 0 else f"{page.text} Copy {copy} of this page, row {i}.")
 
 
-def measure_reads(kind: str, path: Path, offsets: Path, reads: int) -> dict[str, float]:
+def run_reader(script: str, *args: object) -> dict[str, float]:
+    """Runs a reader script in a fresh process from the repository root; returns the JSON it prints last."""
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", _READER, kind, str(path), str(offsets), str(reads)], cwd=root,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=root, capture_output=True, text=True,
+                          check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_reads(kind: str, path: Path, offsets: Path, reads: int) -> dict[str, float]:
+    return run_reader(_READER, kind, path, offsets, reads)
 
 
 def corpus_part(passages: int, reads: int, scratch: Path) -> dict:

@@ -15,27 +15,41 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from environments.searchqa.corpus import CorpusError, Passage, file_fingerprint, iter_corpus, output_marker
 
 
-def write_arrayrecord_corpus(passages: Iterable[Passage], path: str | Path) -> int:
-    """Writes passages (atomically) as an ArrayRecord corpus; returns how many were written."""
+def write_json_records(rows: Iterable[dict], path: Path) -> int:
+    """Writes each row as one UTF-8 JSON record (``group_size:1``: a read touches one record); returns the count."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    count = 0
+    try:
+        for row in rows:
+            writer.write(json.dumps(row, ensure_ascii=False).encode("utf-8"))
+            count += 1
+    finally:
+        writer.close()
+    return count
+
+
+def open_random_access(path: Path) -> Any:
+    """An ``ArrayRecordReader`` for single-record random access: no prefetch and no thread pool (seek + read is ~5 us; threaded
+    single reads are ~100x slower)."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    return ArrayRecordReader(str(path), "readahead_buffer_size:0,max_parallelism:0")
+
+
+def write_arrayrecord_corpus(passages: Iterable[Passage], path: str | Path) -> int:
+    """Writes passages (atomically) as an ArrayRecord corpus; returns how many were written."""
     target = Path(path)
     marker = output_marker(target, "write_arrayrecord_corpus")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.partial")
-    writer = ArrayRecordWriter(str(staging), "group_size:1")
-    count = 0
-    try:
-        for passage in passages:
-            writer.write(json.dumps(passage.to_row(), ensure_ascii=False).encode("utf-8"))
-            count += 1
-    finally:
-        writer.close()
+    count = write_json_records((passage.to_row() for passage in passages), staging)
     marker.write_text(json.dumps({"passages": count}))
     os.replace(staging, target)
     return count
@@ -60,14 +74,11 @@ class ArrayRecordCorpus:
     """Random access to the passages of an ArrayRecord corpus (same interface as ``JsonlCorpus``)."""
 
     def __init__(self, path: str | Path) -> None:
-        from array_record.python.array_record_module import ArrayRecordReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise CorpusError(f"ArrayRecord corpus {self.path} does not exist; convert a wiki-18 JSON-lines file "
                               "with `python -m environments.searchqa.arrayrecord_corpus --corpus=FILE`")
-        # Random access: no prefetch and no thread pool (seek + read is ~5 us; threaded single reads ~100x slower).
-        self._reader = ArrayRecordReader(str(self.path), "readahead_buffer_size:0,max_parallelism:0")
+        self._reader = open_random_access(self.path)
         self._length = int(self._reader.num_records())
 
     def __len__(self) -> int:

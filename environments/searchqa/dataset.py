@@ -66,6 +66,9 @@ class QuestionSet:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def close(self) -> None:
+        """Nothing to release (the records-backed set closes its file)."""
+
 
 def read_questions(path: str | Path) -> list[Question]:
     """Reads a ``questions.jsonl`` written by :func:`prepare_generated`."""

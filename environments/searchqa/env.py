@@ -144,8 +144,7 @@ class SearchQA(Environment):
         if self._retriever is not None:
             self._retriever.close()
             self._retriever = None
-        if hasattr(self.questions, "close"):
-            self.questions.close()
+        self.questions.close()
 
 
 def _retriever_spec(name: str, index_dir: str, url: str, dense_index: str, dense_corpus: str,

@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from environments.base import EnvError, InvalidTaskError, Task, check_split
+from environments.searchqa.arrayrecord_corpus import open_random_access, write_json_records
 from environments.searchqa.corpus import output_marker
 from environments.searchqa.knowledge import Question
 
@@ -36,8 +37,6 @@ def _index_path(path: Path) -> Path:
 
 def write_question_records(questions: Iterable[Question], path: str | Path) -> int:
     """Writes questions (sorted by item id, atomically) with their index; returns how many."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     target = Path(path)
     marker = output_marker(target, "write_question_records", QuestionRecordsError)
     ordered = sorted(questions, key=lambda q: q.item_id)
@@ -47,19 +46,15 @@ def write_question_records(questions: Iterable[Question], path: str | Path) -> i
     subtasks = sorted({q.subtask for q in ordered})
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.partial")
-    writer = ArrayRecordWriter(str(staging), "group_size:1")
-    try:
-        for question in ordered:
-            writer.write(json.dumps(question.to_row(), ensure_ascii=False).encode("utf-8"))
-    finally:
-        writer.close()
-    with open(staging.with_name(staging.name + ".npz"), "wb") as index:
+    staged_index = staging.with_name(staging.name + ".npz")
+    write_json_records((question.to_row() for question in ordered), staging)
+    with open(staged_index, "wb") as index:
         np.savez(index, item_ids=ids, splits=np.asarray([SPLIT_CODES.index(check_split(q.split)) for q in ordered],
                                                         np.uint8),
                  subtasks=np.asarray([subtasks.index(q.subtask) for q in ordered], np.uint16),
                  subtask_names=np.asarray(json.dumps(subtasks)))
     marker.write_text(json.dumps({"questions": len(ordered)}))
-    os.replace(staging.with_name(staging.name + ".npz"), _index_path(target))
+    os.replace(staged_index, _index_path(target))
     os.replace(staging, target)
     return len(ordered)
 
@@ -68,8 +63,6 @@ class QuestionRecords:
     """Questions by item id from a records file (the interface of ``dataset.QuestionSet``)."""
 
     def __init__(self, path: str | Path) -> None:
-        from array_record.python.array_record_module import ArrayRecordReader
-
         self.path = Path(path)
         self.source = str(self.path)
         if not self.path.is_file() or not _index_path(self.path).is_file():
@@ -79,7 +72,7 @@ class QuestionRecords:
         with np.load(_index_path(self.path)) as index:
             self._ids, self._splits, self._subtasks = index["item_ids"], index["splits"], index["subtasks"]
             self._subtask_names = json.loads(str(index["subtask_names"]))
-        self._reader = ArrayRecordReader(str(self.path), "readahead_buffer_size:0,max_parallelism:0")
+        self._reader = open_random_access(self.path)
         if int(self._reader.num_records()) != len(self._ids):
             raise QuestionRecordsError(f"{self.path} holds {self._reader.num_records()} records but its index "
                                        f"{len(self._ids)}; convert it again")
