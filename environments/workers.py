@@ -439,7 +439,11 @@ class EnvPool:
                 worker.conn.send(message)
                 pending[worker.conn] = index
             except (OSError, ValueError) as error:
-                self._replace(index, f"worker process could not be reached ({error})", results)
+                worker.process.join(timeout=2)  # a broken pipe usually means the process is gone
+                code = worker.process.exitcode
+                reason = (f"worker process died (exit code {code})" if code is not None
+                          else f"worker process could not be reached ({error})")
+                self._replace(index, reason, results)
         deadline = {
             index: time.monotonic() + (self.step_timeout_s if self._workers[index].ready else self.startup_timeout_s)
             for index in pending.values()
