@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import advantages as adv_lib
-from agentgym_jax import freezing, lora, packing, sharding
+from agentgym_jax import distributed, freezing, lora, packing, sharding
 from agentgym_jax.batch import BatchError, TrajectoryBatch
 from agentgym_jax.critic import Critic, copy_tree
 from agentgym_jax.errors import CheckpointError, ConfigError
@@ -44,7 +44,7 @@ from agentgym_jax.learner_config import (  # noqa: F401 - re-exported: the learn
 )
 from agentgym_jax.model import DecoderLM, abstract_model
 from agentgym_jax.train_step import StepParts, experience_program, train_step_program
-from agentgym_jax.update_metrics import summarize_update
+from agentgym_jax.update_metrics import batch_stats, summarize_update
 from agentgym_jax.policy_objective import (  # noqa: F401 - re-exported for callers of the learner module
     AGENT_POSITION_BUCKETS, TrainingBatch, _accumulated_grads, _keep_if, agent_positions, loss_denominator,
     policy_loss, policy_loss_terms, selected_logprobs, to_token_positions, token_logprobs,
@@ -72,6 +72,15 @@ class Learner:
         self.mesh = mesh
         if mesh is not None:
             sharding.check_model_fits_mesh(model.config, mesh)
+        # In a multi-process run every process passes its own rows; the global batch is their concatenation.
+        self._processes = jax.process_count()
+        if self._processes > 1:
+            if mesh is None or mesh.devices.size != jax.device_count():
+                raise ConfigError("a multi-process learner needs a mesh over every process's devices; set mesh.shape "
+                                  f"to axis sizes whose product is {jax.device_count()}")
+            if config.pack_rows:
+                raise ConfigError("pack_rows=True is single-process for now (it lays rows out on the host); set "
+                                  "algo.pack_rows=False for a multi-process run")
         self._estimator = adv_lib.get_estimator(config.advantage_estimator)
         self._graphdef, policy = nnx.split(model)
         self._policy = self._commit(policy)
@@ -163,6 +172,7 @@ class Learner:
         self._train_step = jax.jit(train_step_program(parts), donate_argnums=(0, 1, 2, 3) if config.donate else ())
         self._advantages = jax.jit(functools.partial(
             adv_lib.compute_advantages, config.advantage_estimator, **config.resolved_estimator_options()))
+        self._gather_minibatch = jax.jit(self._minibatch_from_global, static_argnums=(2,))
 
     def _commit(self, tree: Any) -> Any:
         """Pins every array to its device(s), so jit sees the same argument placement on every call."""
@@ -180,12 +190,22 @@ class Learner:
             return jnp.asarray(array)
         rows = (None,) if stacked else ()
         spec = P(*rows, sharding.BATCH, *([None] * (array.ndim - len(rows) - 1)))
-        return jax.device_put(array, NamedSharding(self.mesh, spec))
+        return distributed.global_rows(array, self.mesh, spec)  # this process's rows of the global array
+
+    def _minibatch_from_global(self, full: TrainingBatch, index: Array, micro: int) -> TrainingBatch:
+        """The rows ``index`` of a global batch, stacked into micro-batches split over the mesh (the rows move
+        between hosts inside the program)."""
+        def take(x: Array) -> Array:
+            picked = x[index].reshape(-1, micro, *x.shape[1:])
+            spec = P(None, sharding.BATCH, *([None] * (x.ndim - 1)))
+            return jax.lax.with_sharding_constraint(picked, NamedSharding(self.mesh, spec))
+
+        return full.map(take)
 
     # ---------------------------------------------------------------------------------------- sizes and checks
 
     def _sizes(self, batch: TrajectoryBatch) -> tuple[int, int]:
-        rows = batch.num_rows
+        rows = batch.num_rows * self._processes
         minibatch = self.config.minibatch_size or rows
         micro = self.config.microbatch_size or minibatch
         if rows % minibatch:
@@ -206,7 +226,7 @@ class Learner:
     def _check(self, batch: TrajectoryBatch) -> np.ndarray:
         batch.validate()
         mask = batch.effective_loss_mask()
-        if not (mask > 0).any():
+        if not any(distributed.allgather(bool((mask > 0).any()), "loss-mask check")):
             raise BatchError(
                 "the batch's loss mask is all zero (after dropping valid=0 rows): it has no agent tokens to train "
                 "on; check that the rollout marks the agent's sampled tokens with loss_mask=1"
@@ -229,16 +249,18 @@ class Learner:
         batch = batch.to_numpy()
         mask = self._check(batch)
         _, micro = self._sizes(batch)
+        local_micro = micro // self._processes  # each process feeds its share of every micro-batch
         tokens = batch.tokens
-        positions = agent_positions(mask)
+        largest = int((mask > 0).sum(axis=1).max(initial=0))
+        positions = agent_positions(mask, max(distributed.allgather(largest, "agent-token counts")))
         parts: dict[str, list[np.ndarray]] = {}
         with sharding.use_mesh(self.mesh):
-            for start in range(0, batch.num_rows, micro):
-                rows = slice(start, start + micro)
+            for start in range(0, batch.num_rows, local_micro):
+                rows = slice(start, start + local_micro)
                 out = self._experience(self._policy, self._reference, self._critic, self._put(tokens[rows], False),
                                        self._put(positions[rows], False))
-                for key, value in jax.device_get(out).items():
-                    parts.setdefault(key, []).append(np.asarray(value))
+                for key, value in out.items():
+                    parts.setdefault(key, []).append(distributed.local_rows(value))
         experience = {k: np.concatenate(v) for k, v in parts.items()}
         on = mask > 0
         on_mask = lambda x: None if x is None else np.where(on, x, 0.0).astype(np.float32)  # noqa: E731
@@ -252,14 +274,19 @@ class Learner:
         inputs = dict(scores=scores, loss_mask=mask, group_ids=batch.group_ids, old_logp=old_logp,
                       ref_logp=ref_logp, values=values, turn_ids=batch.turn_ids, step_rewards=batch.step_rewards,
                       step_states=batch.step_states)
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        if self._processes > 1:  # batch-wide statistics (e.g. REINFORCE++'s normalization) span every process
+            inputs = {k: self._put(np.asarray(v), False) for k, v in inputs.items()}
         with sharding.use_mesh(self.mesh):
-            advantages, returns = jax.device_get(self._advantages(**{k: v for k, v in inputs.items()
-                                                                     if v is not None}))
+            advantages, returns = map(distributed.local_rows, self._advantages(**inputs))
         return TrainingBatch(tokens=tokens, positions=positions, loss_mask=mask, old_logp=old_logp,
                              advantages=np.asarray(advantages), returns=np.asarray(returns), scores=scores,
                              valid=batch.valid, ref_logp=ref_logp, old_values=values)
 
     # ---------------------------------------------------------------------------------------- update
+
+    def _put_replicated(self, array: np.ndarray) -> Array:
+        return jax.device_put(array, NamedSharding(self.mesh, P()))
 
     def _minibatch_order(self, rng: jax.Array, valid_rows: np.ndarray, num_minibatches: int) -> list[np.ndarray]:
         """Row indices of each minibatch: real rows shuffled and dealt round-robin, then padding rows."""
@@ -293,28 +320,37 @@ class Learner:
         started = time.perf_counter()
         prepared = self.prepare(batch)
         minibatch, micro = self._sizes(batch)
-        rows = prepared.tokens.shape[0]
+        rows = prepared.tokens.shape[0] * self._processes
         num_minibatches = rows // minibatch
-        real_rows = prepared.loss_mask.any(axis=-1)
+        # the shuffle is over the global rows (every process's rows, in process order): the same minibatches
+        # however many processes hold them
+        real_rows = np.concatenate(distributed.allgather(prepared.loss_mask.any(axis=-1), "real rows"))
         group_ids = np.asarray(batch.group_ids)
         step_metrics = []
         positions = 0
         with sharding.use_mesh(self.mesh):
+            full = prepared.map(lambda x: self._put(x, False)) if self._processes > 1 else None
             for epoch in range(self.config.ppo_epochs):
                 # packing changes how a minibatch is laid out, never which trajectories it holds
                 order = self._minibatch_order(jax.random.fold_in(rng, epoch), real_rows, num_minibatches)
                 for index in order:
-                    stack, held = self._stack(prepared, index, group_ids, minibatch, micro)
+                    if full is not None:
+                        stack = self._gather_minibatch(full, self._put_replicated(index), micro)
+                        held = minibatch * prepared.tokens.shape[1]
+                    else:
+                        stack, held = self._stack(prepared, index, group_ids, minibatch, micro)
                     positions += held
                     self._policy, self._opt_state, self._critic, self._critic_opt, metrics = self._train_step(
                         self._policy, self._opt_state, self._critic, self._critic_opt, stack, jnp.int32(self._step)
                     )
+                    metrics = jax.tree.map(distributed.replicated_value, metrics)
                     applied = bool(metrics["applied"])
                     self._step += int(applied)
-                    step_metrics.append(jax.device_get(metrics))
+                    step_metrics.append(metrics)
         self._updates_called += 1
         elapsed = time.perf_counter() - started
-        result = summarize_update(step_metrics, prepared, elapsed, positions // self.config.ppo_epochs,
+        stats = distributed.allgather(batch_stats(prepared), "batch statistics")
+        result = summarize_update(step_metrics, stats, elapsed, positions // self.config.ppo_epochs,
                                   self.config.ppo_epochs)
         result["step"] = float(self._step)
         if result["skipped_updates"]:

@@ -101,6 +101,23 @@ class MetricLogger:
             self._tb.close()
 
 
+class NoLogger:
+    """A :class:`MetricLogger` that writes nothing: the logger of every process but the first in a
+    multi-process run (process 0 logs the metrics, which already cover all processes)."""
+
+    def rewind(self, step: int) -> None:
+        del step
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        del step, metrics
+
+    def write_samples(self, step: int, samples: Iterable[Mapping[str, Any]]) -> None:
+        del step, samples
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(directory: str | Path) -> list[dict[str, Any]]:
     """The rows of ``metrics.jsonl``, one per step (the last row per step wins; torn lines are skipped)."""
     rows: dict[int, dict[str, Any]] = {}

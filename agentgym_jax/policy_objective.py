@@ -78,14 +78,17 @@ def unembedding(model: DecoderLM) -> Array:
 AGENT_POSITION_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def agent_positions(loss_mask: np.ndarray) -> np.ndarray:
-    """``[B, K]`` int32 indices of each row's loss-mask tokens, padded with -1; K is a bucket of the largest count.
+def agent_positions(loss_mask: np.ndarray, largest: int | None = None) -> np.ndarray:
+    """``[B, K]`` int32 indices of each row's loss-mask tokens, padded with -1; K is a bucket of the largest count
+    (or of ``largest``, e.g. the largest over all processes' rows).
 
     The learner reads log-probs only there, so the output head (a large share of a small model's compute) runs
     on K positions per row instead of T.
     """
     on = np.asarray(loss_mask) > 0
-    width = bucket(max(1, int(on.sum(axis=1).max(initial=0))), AGENT_POSITION_BUCKETS)
+    if largest is None:
+        largest = int(on.sum(axis=1).max(initial=0))
+    width = bucket(max(1, largest), AGENT_POSITION_BUCKETS)
     positions = np.full((on.shape[0], width), -1, np.int32)
     for row, indices in enumerate(on):
         found = np.flatnonzero(indices)

@@ -128,10 +128,14 @@ def run_rollout(
     horizon: int,
     rng: jax.Array,
     progress: Callable[[int, int, int], None] | None = None,
+    episode_offset: int = 0,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """Plays one episode per entry of ``tasks`` (``Task`` objects; repeat a task for group sampling).
 
-    ``progress(round, active, finished)`` is called after each round.
+    Episode ``i`` samples from ``rng`` folded with ``episode_offset + i`` and its turn number, so an episode's
+    tokens do not depend on the sampler row, batch or process that plays it (``episode_offset``: the number of
+    episodes of the same call played by earlier processes). ``progress(round, active, finished)`` is called
+    after each round.
     """
     config.validate()
     if horizon < 1:
@@ -159,6 +163,7 @@ def run_rollout(
         trajectory.state_keys.append(state_key(start.info, start.observation))
         pending[index] = [int(i) for i in chat.render(messages, add_generation_prompt=True).ids] + prefix_ids
 
+    episode_keys = _episode_keys(rng, episode_offset + np.arange(len(trajectories)))
     state, cached = _prefill_shared_prompts(sampler, pending, len(trajectories))
     row_of = {index: index for index in range(len(trajectories))}  # trajectory -> sampler row
     budget = config.max_trajectory_tokens
@@ -181,8 +186,11 @@ def run_rollout(
             params[row_of[i]] = SamplingParams(config.temperature, config.top_p, config.top_k,
                                                min(config.max_turn_tokens, room))
         t_sample = time.perf_counter()
-        rng, key = jax.random.split(rng)
-        state, result = sampler.generate(state, rows, key, params)
+        episode_of_row = np.zeros((state.batch_size,), np.int32)
+        for i in active:
+            episode_of_row[row_of[i]] = i
+        turn_keys = _turn_keys(episode_keys[episode_of_row], round_index)
+        state, result = sampler.generate(state, rows, rng, params, row_keys=turn_keys)
         stats.sampling_s += time.perf_counter() - t_sample
         stats.rounds += 1
         actions: dict[int, str] = {}
@@ -239,6 +247,16 @@ def run_rollout(
     return trajectories, stats
 
 
+@jax.jit
+def _episode_keys(rng: jax.Array, episodes: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, episodes)
+
+
+@jax.jit
+def _turn_keys(episode_keys: jax.Array, turn: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(episode_keys, turn)
+
+
 def _prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], episodes: int) -> tuple[Any, dict[int, int]]:
     """Writes shared prompt tokens into the cache once and forks them: the opening every episode shares (system
     prompt and instruction) once per rollout, then each distinct first prompt (the samples of one task) once per
@@ -267,19 +285,26 @@ def _prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], epi
 
 
 def pack_trajectories(
-    trajectories: Sequence[Trajectory], length_buckets: Sequence[int], batch_multiple: int = 1, pad_id: int = 0
+    trajectories: Sequence[Trajectory], length_buckets: Sequence[int], batch_multiple: int = 1, pad_id: int = 0,
+    rows: int | None = None, length: int | None = None, first_padding_group: int | None = None,
 ) -> TrajectoryBatch:
     """Right-pads trajectories into the learner's :class:`TrajectoryBatch`, T and B rounded up (B to a multiple of
-    ``batch_multiple``), with per-turn rewards and state ids for step-level estimators.
+    ``batch_multiple``), with per-turn rewards and state ids for step-level estimators. ``rows`` and ``length``
+    fix B and T instead (a process's part of a multi-process batch).
 
-    Padding rows have ``valid == 0`` and an all-zero mask; their group ids are fresh so they never join a real
-    group. State keys become int32 ids (CRC-32), compared only within a group.
+    Padding rows have ``valid == 0`` and an all-zero mask; their group ids (from ``first_padding_group``, default
+    one past the largest real id) are fresh so they never join a real group. State keys become int32 ids
+    (CRC-32), compared only within a group.
     """
-    if not trajectories:
-        raise ConfigError("no trajectories to pack")
-    length = bucket(max(len(t.tokens) for t in trajectories), length_buckets)
-    rows = -(-len(trajectories) // batch_multiple) * batch_multiple
-    steps = max(1, max(t.turns for t in trajectories))
+    if length is None:
+        if not trajectories:
+            raise ConfigError("no trajectories to pack")
+        length = bucket(max(len(t.tokens) for t in trajectories), length_buckets)
+    if rows is None:
+        rows = -(-len(trajectories) // batch_multiple) * batch_multiple
+    if rows < len(trajectories) or any(len(t.tokens) > length for t in trajectories):
+        raise ConfigError(f"{len(trajectories)} trajectories do not fit {rows} rows of {length} tokens")
+    steps = max(1, max((t.turns for t in trajectories), default=1))
     tokens = np.full((rows, length), pad_id, np.int32)
     loss_mask = np.zeros((rows, length), np.float32)
     old_logp = np.zeros((rows, length), np.float32)
@@ -288,8 +313,9 @@ def pack_trajectories(
     valid = np.zeros((rows,), np.float32)
     step_rewards = np.zeros((rows, steps), np.float32)
     step_states = np.full((rows, steps), -1, np.int32)
-    max_group = max(t.group_id for t in trajectories)
-    group_ids = np.arange(rows, dtype=np.int32) + max_group + 1
+    if first_padding_group is None:
+        first_padding_group = max(t.group_id for t in trajectories) + 1
+    group_ids = np.arange(rows, dtype=np.int32) + first_padding_group
     for b, t in enumerate(trajectories):
         n = len(t.tokens)
         tokens[b, :n] = t.tokens

@@ -175,3 +175,20 @@ def single_accelerator(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     c.env.num_workers = 8
     c.train.workdir = c.train.workdir.rsplit("_", 1)[0] + "_gpu"
     return c
+
+
+def validate_multiprocess_config(config: ml_collections.ConfigDict, processes: int, devices: int) -> None:
+    """What a run over ``processes`` processes (``devices`` devices in all) needs from its config."""
+    if tuple(config.mesh.shape) == (1, 1, 1):
+        raise ConfigError(f"a run over {processes} processes needs a mesh over all {devices} devices: set "
+                          f"--config.mesh.shape to (data, fsdp, tensor) sizes whose product is {devices}, with data "
+                          f"a multiple of {processes}")
+    if config.data.dynamic_sampling:
+        raise ConfigError("data.dynamic_sampling is single-process for now (its group filter needs every group); "
+                          "set --config.data.dynamic_sampling=False for a multi-process run")
+    if config.train.record_rollouts:
+        raise ConfigError("train.record_rollouts is single-process for now; set "
+                          "--config.train.record_rollouts=False for a multi-process run")
+    if config.data.tasks_per_step % processes:
+        raise ConfigError(f"data.tasks_per_step={config.data.tasks_per_step} cannot be split evenly over "
+                          f"{processes} processes; use a multiple of {processes}")

@@ -293,12 +293,15 @@ class Sampler:
         new_tokens: Sequence[Sequence[int] | None],
         rng: jax.Array,
         params: SamplingParams | Sequence[SamplingParams],
+        row_keys: jax.Array | None = None,
     ) -> tuple[SamplerState, GenerateResult]:
         """Appends ``new_tokens[b]`` to row b's cache and samples its continuation.
 
         ``new_tokens[b]`` empty or None leaves row b untouched (an inactive row). ``params`` may differ per
         row. ``rng`` is one PRNG key; each row draws from its own key split from it, folded with its token
-        index, so a row's sample does not depend on the other rows.
+        index, so a row's sample does not depend on the other rows. ``row_keys`` (one key per entry of
+        ``new_tokens``) replaces the per-row split: a caller that keys each episode itself gets the same samples
+        whichever row, batch or process plays it.
         """
         if state.cache is None:
             raise ConfigError(
@@ -330,6 +333,10 @@ class Sampler:
         window = self.window(state.lengths, lengths, [p.max_new_tokens for p in per_row])
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in per_row)
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(batch))
+        if row_keys is not None:
+            if len(row_keys) != len(new_tokens):
+                raise ConfigError(f"got {len(row_keys)} row keys for {len(new_tokens)} rows")
+            keys = keys.at[: len(new_tokens)].set(row_keys)
         arrays = dict(
             new_tokens=token_array,
             new_lengths=lengths.astype(np.int32),

@@ -17,9 +17,10 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
-from agentgym_jax import evaluation, hf, schedule, sharding
+from agentgym_jax import distributed, evaluation, hf, host_shards, schedule, sharding
 from agentgym_jax.buckets import LENGTH_BUCKETS, bucket
 from agentgym_jax.chat import ChatTokenizer
 from agentgym_jax.checkpoint import RunCheckpointer
@@ -27,11 +28,11 @@ from agentgym_jax.diagnostics import SignalMonitor, learner_diagnostics, rollout
 from agentgym_jax.dynamic_sampling import collect_groups_with_signal
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.learner import Learner
-from agentgym_jax.metrics_log import MetricLogger, plot_run
-from agentgym_jax.rollout import (END_REASONS, RolloutConfig, RolloutStats, Trajectory, pack_trajectories,
-                                  run_rollout)
+from agentgym_jax.metrics_log import MetricLogger, NoLogger, plot_run
+from agentgym_jax.rollout import END_REASONS, RolloutConfig, RolloutStats, Trajectory, run_rollout
 from agentgym_jax.rollout_records import RolloutRecorder
-from agentgym_jax.run_config import learner_config_from, resolve_model_path, validate_run_config
+from agentgym_jax.run_config import (learner_config_from, resolve_model_path, validate_multiprocess_config,
+                                     validate_run_config)
 from agentgym_jax.run_dir import atomic_write_text, claim_run_directory
 from agentgym_jax.sampling import Sampler, SamplerConfig
 
@@ -51,6 +52,11 @@ class Trainer:
         self.workdir = Path(workdir or config.train.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.mesh = sharding.make_mesh(tuple(config.mesh.shape)) if config.mesh.shape != (1, 1, 1) else None
+        self.processes = jax.process_count()
+        if self.processes > 1:
+            validate_multiprocess_config(config, self.processes, jax.device_count())
+        # the sampler runs on this process's devices (its data slices of the mesh), over views of the same arrays
+        self.sampler_mesh = distributed.local_mesh(self.mesh)
         self.model_dir = resolve_model_path(config.model.path)
         if self.model_dir.is_dir():
             hf.read_hf_config(self.model_dir)  # a broken config.json is named as such, not as a tokenizer problem
@@ -77,9 +83,9 @@ class Trainer:
                                  logprob_temperature=float(config.algo.temperature),
                                  window_buckets=tuple(b for b in LENGTH_BUCKETS if b < cache_length),
                                  token_buckets=(1, 4, 16, 32, 64, 128) + tuple(b for b in LENGTH_BUCKETS if b > 128)),
-            mesh=self.mesh,
+            mesh=self.sampler_mesh,
         )
-        self.sampler.update_params(self.learner.policy_state)
+        self._point_sampler()
         self._compilations_before = self.sampler.compilations  # the counter is per process
         self.rollout_config = RolloutConfig(
             max_turn_tokens=config.rollout.max_turn_tokens,
@@ -105,7 +111,8 @@ class Trainer:
             step_timeout_s=config.env.step_timeout_s, import_modules=tuple(config.env.import_modules),
         )
         self._split_tasks()
-        self.logger = MetricLogger(self.workdir, tensorboard=config.train.tensorboard)
+        self.logger = (MetricLogger(self.workdir, tensorboard=config.train.tensorboard) if distributed.is_main()
+                       else NoLogger())  # process 0 writes the run's logs
         self.checkpointer = RunCheckpointer(checkpoint_dir or self.workdir / "checkpoints",
                                             keep_last=config.train.keep_checkpoints)
         self.recorder = RolloutRecorder(self.workdir / "rollouts") if config.train.record_rollouts else None
@@ -114,15 +121,16 @@ class Trainer:
     # -- data ------------------------------------------------------------------------------------------
 
     def _task_list(self, split: str) -> list[Any]:
-        """This process's share of a split's tasks (all of it in a one-process run), read from the environment's
-        TFDS task dataset for these env arguments (built on first use); an env server given by URL lists its own."""
+        """A split's tasks, read from the environment's TFDS task dataset for these env arguments (built on first
+        use); an env server given by URL lists its own."""
         env = self.config.env
         if env.remote:
             return list(self.pool.tasks(split))
         from environments.task_datasets import ensure_task_dataset, read_tasks
 
         ensure_task_dataset(env.name, dict(env.kwargs), tuple(env.import_modules))
-        return read_tasks(env.name, split, jax.process_index(), jax.process_count(), env_kwargs=dict(env.kwargs))
+        # every process reads the whole list (ids): a step's tasks are a function of (seed, step), then shared out
+        return read_tasks(env.name, split, 0, 1, env_kwargs=dict(env.kwargs))
 
     def _split_tasks(self) -> None:
         config = self.config
@@ -168,21 +176,30 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------------------
 
     def rollout(self, tasks: Sequence[Any], samples: int, horizon: int, rng: jax.Array, greedy: bool = False,
-                desc: str = "rollout") -> tuple[list[Trajectory], Any]:
-        """Plays ``samples`` episodes of each task; group ids number the tasks."""
-        episodes = [t for t in tasks for _ in range(samples)]
-        groups = [i for i in range(len(tasks)) for _ in range(samples)]
+                desc: str = "rollout", first_task: int | None = None) -> tuple[list[Trajectory], Any]:
+        """Plays ``samples`` episodes of each task; group ids number the tasks.
+
+        ``tasks`` is the global list, of which this process plays its share; or, with ``first_task``, this
+        process's own tasks, numbered from ``first_task``.
+        """
+        if first_task is None:
+            share = host_shards.episode_share(tasks, samples)
+        else:
+            share = host_shards.EpisodeShare([t for t in tasks for _ in range(samples)],
+                                             [first_task + i for i in range(len(tasks)) for _ in range(samples)],
+                                             first_task * samples)
         config = self.rollout_config
         if greedy:
             config = dataclasses.replace(config, temperature=0.0)
-        bar = tqdm(total=horizon, desc=desc, leave=False, disable=not self.config.train.progress_bars)
+        bar = tqdm(total=horizon, desc=desc, leave=False, disable=not self._progress_bars)
 
         def progress(round_index: int, active: int, finished: int) -> None:
             bar.update(1)
             bar.set_postfix(active=active, done=finished)
 
         try:
-            return run_rollout(self.sampler, self.pool, self.chat, episodes, groups, config, horizon, rng, progress)
+            return run_rollout(self.sampler, self.pool, self.chat, share.tasks, share.group_ids, config, horizon, rng,
+                               progress, episode_offset=share.episode_offset)
         finally:
             bar.close()
 
@@ -217,17 +234,21 @@ class Trainer:
         t_rollout = time.perf_counter()
         update_metrics: dict[str, float] = {}
         if train_on:
-            batch = pack_trajectories(
-                train_on, LENGTH_BUCKETS, batch_multiple=self._batch_multiple(), pad_id=self.chat.pad_token_id
-            )
+            batch = host_shards.pack_local_batch(train_on, LENGTH_BUCKETS, self._batch_multiple(),
+                                                 self.chat.pad_token_id)
             update_metrics = self.learner.update(batch, update_key)
-            self.sampler.update_params(self.learner.policy_state)
-            metrics["rollout/batch_tokens"] = batch.num_rows * batch.seq_len
+            self._point_sampler()
+            metrics["rollout/batch_tokens"] = batch.num_rows * batch.seq_len * self.processes
         else:  # dynamic sampling found no group with signal: an update would only move the KL/entropy terms
             logging.warning("step %d: no group with reward variance after %d rounds; update skipped", step,
                             metrics["dynamic/rounds"])
             metrics["train/skipped_no_signal"] = 1.0
         t_train = time.perf_counter()
+        local_trajectories = trajectories
+        if self.processes > 1:  # metrics describe every process's episodes; the step waited for the slowest
+            parts = distributed.allgather((stats, [host_shards.summary(t) for t in trajectories]), "rollout summaries")
+            trajectories = [t for _, part in parts for t in part]
+            stats = host_shards.combine_stats([part_stats for part_stats, _ in parts])
         metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
         metrics.update(self._rollout_metrics(trajectories, prefix="rollout"))
         metrics.update(rollout_diagnostics(trajectories))
@@ -245,10 +266,18 @@ class Trainer:
             "memory/peak_rss_gb": peak_rss_gb()["peak_rss_gb"],
         })
         count = self.config.train.sample_log_count
-        self.logger.write_samples(step, [_readable(t) for t in trajectories[:count]])
+        self.logger.write_samples(step, [_readable(t) for t in local_trajectories[:count]])
         if self.recorder is not None:
-            self.recorder.write("train", step, trajectories, trained=train_on)
+            self.recorder.write("train", step, local_trajectories, trained=train_on)
         return metrics
+
+    @property
+    def _progress_bars(self) -> bool:
+        return bool(self.config.train.progress_bars) and distributed.is_main()
+
+    def _point_sampler(self) -> None:
+        """Points the sampler at the learner's parameters (this process's view of them: no copy)."""
+        self.sampler.update_params(distributed.local_view(self.learner.policy_state, self.mesh))
 
     def _batch_multiple(self) -> int:
         algo = self.config.algo
@@ -280,10 +309,14 @@ class Trainer:
         key = jax.random.PRNGKey(self.config.train.seed + 7919)
         trajectories: list[Trajectory] = []
         chunk = self.config.eval.batch_tasks
-        for start in range(0, len(tasks), chunk):
-            key, sub = jax.random.split(key)
-            batch, _ = self.rollout(tasks[start: start + chunk], k, horizon, sub, greedy=greedy, desc=desc)
+        # each process evaluates its part of the tasks; an episode's key is its global index (layout-independent)
+        mine = np.array_split(np.arange(len(tasks)), self.processes)[jax.process_index()]
+        for start in range(0, len(mine), chunk):
+            part = mine[start: start + chunk]
+            batch, _ = self.rollout([tasks[i] for i in part], k, horizon, key, greedy=greedy, desc=desc,
+                                    first_task=int(part[0]))
             trajectories += batch
+        trajectories = host_shards.gather_all(trajectories, "evaluation episodes")
         summary = evaluation.summarize(trajectories, k)
         summary["settings"] = self.rollout_settings(greedy=greedy, horizon=horizon)
         return summary, trajectories
@@ -320,7 +353,7 @@ class Trainer:
             return False
         step, state, record = restored
         self.learner.restore_checkpoint_state(state)
-        self.sampler.update_params(self.learner.policy_state)
+        self._point_sampler()
         self.step = int(record["step"])
         skipped = f" (skipped unreadable checkpoints {self.checkpointer.skipped})" if self.checkpointer.skipped else ""
         logging.warning("restored checkpoint %d from %s%s", step, self.checkpointer.directory, skipped)
@@ -331,7 +364,7 @@ class Trainer:
         train = self.config.train
         last = train.steps if steps is None else self.step + steps
         history = []
-        bar = tqdm(total=last, initial=self.step, desc="training", disable=not train.progress_bars)
+        bar = tqdm(total=last, initial=self.step, desc="training", disable=not self._progress_bars)
         while self.step < last:
             self.step += 1
             metrics = self.train_step(self.step)
@@ -357,7 +390,10 @@ class Trainer:
         """Writes the current policy as a Hugging Face directory (replacing only an earlier export of ours); a LoRA
         policy merged, or with ``adapter_only`` as a PEFT adapter directory."""
         out = Path(out_dir or self.workdir / "export")
-        return hf.export_model(self.learner.policy_model(), out, tokenizer_dir=self.model_dir, overwrite=overwrite,
+        model = self.learner.policy_model()
+        if self.processes > 1:  # this process's replica of the parameters: readable without the other hosts
+            nnx.update(model, distributed.local_view(nnx.state(model), self.mesh))
+        return hf.export_model(model, out, tokenizer_dir=self.model_dir, overwrite=overwrite,
                                adapter_only=adapter_only)
 
     def plot(self) -> Path:
@@ -397,7 +433,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | 
     """
     started = time.perf_counter()
     validate_run_config(config)
-    claim_run_directory(workdir or config.train.workdir, config, resume=resume, overwrite=overwrite)
+    main = distributed.is_main()  # process 0 claims the directory and writes reports, plots and the export
+    refusal = None
+    if main:
+        try:
+            claim_run_directory(workdir or config.train.workdir, config, resume=resume, overwrite=overwrite)
+        except ConfigError as error:
+            refusal = str(error)
+    refusal = distributed.allgather(refusal, "run directory claim")[0]  # every process stops on a refusal
+    if refusal:
+        raise ConfigError(refusal)
     trainer = Trainer(config, workdir)
     report: dict[str, Any] = {"workdir": str(trainer.workdir), "n_test_tasks": len(trainer.test_tasks)}
     try:
@@ -410,18 +455,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | 
         if config.train.eval_before and trainer.step == 0:
             before, trajectories = trainer.evaluate(trainer.test_tasks, desc="test eval (before)")
             report["eval_before"] = before
-            _write_eval(trainer.workdir / "eval_before", before, trajectories)
+            if main:
+                _write_eval(trainer.workdir / "eval_before", before, trajectories)
             if trainer.recorder is not None:
                 trainer.recorder.write("eval_before", 0, trajectories)
         trainer.fit()
         after, trajectories = trainer.evaluate(trainer.test_tasks, desc="test eval (after)")
         report["eval_after"] = after
-        _write_eval(trainer.workdir / "eval_after", after, trajectories)
+        if main:
+            _write_eval(trainer.workdir / "eval_after", after, trajectories)
         if trainer.recorder is not None:
             trainer.recorder.write("eval_after", trainer.step, trajectories)
-        if config.train.export_final:
+        if config.train.export_final and main:
             report["export"] = str(trainer.export())
-        report["plot"] = str(trainer.plot())
+        if main:
+            report["plot"] = str(trainer.plot())
     finally:
         trainer.close()
     report["minutes"] = (time.perf_counter() - started) / 60
@@ -435,6 +483,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | 
             k = report[key]["k"]
             report[f"success_{name}"] = overall[f"pass@{k}"]
             report[f"wilson_{name}"] = overall["pass_wilson95"]
+    if not main:
+        return report
     atomic_write_text(Path(report["workdir"]) / "report.json", json.dumps(report, indent=2))
     if config.train.report_path:
         keys = ("success_before", "success_after", "wilson_before", "wilson_after", "n_test_tasks", "minutes",

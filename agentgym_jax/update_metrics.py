@@ -10,13 +10,38 @@ import numpy as np
 from agentgym_jax.policy_objective import TrainingBatch
 
 
+def batch_stats(prepared: TrainingBatch) -> dict[str, float]:
+    """Sums, counts and extremes of a (process's part of a) prepared batch: advantages and returns over agent
+    tokens, scores over real trajectories. :func:`merge_batch_stats` combines several processes' parts."""
+    on = prepared.loss_mask > 0
+    stats: dict[str, float] = {}
+    for label, per_token in (("advantages", prepared.advantages), ("returns", prepared.returns)):
+        values = np.asarray(per_token)[on].astype(np.float64)
+        stats.update({f"{label}/count": float(values.size), f"{label}/sum": float(values.sum()),
+                      f"{label}/abs_sum": float(np.abs(values).sum()), f"{label}/square_sum": float((values ** 2).sum()),
+                      f"{label}/max": float(values.max(initial=-np.inf)), f"{label}/min": float(values.min(initial=np.inf))})
+    scores = np.asarray(prepared.scores)[np.asarray(prepared.valid) > 0].astype(np.float64)
+    stats.update({"scores/count": float(scores.size), "scores/sum": float(scores.sum()),
+                  "scores/square_sum": float((scores ** 2).sum())})
+    return stats
+
+
+def merge_batch_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One :func:`batch_stats` for the union of the parts' rows."""
+    merged = {}
+    for key in parts[0]:
+        values = [part[key] for part in parts]
+        merged[key] = max(values) if key.endswith("/max") else min(values) if key.endswith("/min") else sum(values)
+    return merged
+
+
 def summarize_update(
-    step_metrics: list[dict[str, Any]], prepared: TrainingBatch, elapsed: float, positions_per_epoch: int,
-    epochs: int,
+    step_metrics: list[dict[str, Any]], batch_stats: list[dict[str, float]], elapsed: float,
+    positions_per_epoch: int, epochs: int,
 ) -> dict[str, float]:
     """One update's metrics from its minibatch steps' outputs: token-weighted means of the loss terms, the
     first minibatch's ratio and log-prob gap (scored at the sampling parameters), advantage/return/score
-    statistics, counts and throughput."""
+    statistics (from every process's :func:`batch_stats`), counts and throughput."""
     metrics: dict[str, float] = {}
     applied = [m for m in step_metrics if m["applied"]]
     used = applied or step_metrics
@@ -46,19 +71,20 @@ def summarize_update(
     metrics["skipped_updates"] = float(sum(1 for m in step_metrics if m["nonempty"] and not m["finite"]))
     metrics["empty_minibatches"] = float(sum(1 for m in step_metrics if not m["nonempty"]))
     metrics["optimizer_updates"] = float(len(applied))
-    mask = prepared.loss_mask
-    on = mask > 0
-    for label, per_token in (("advantages", prepared.advantages), ("returns", prepared.returns)):
-        values = per_token[on]
-        metrics[f"{label}/abs_mean"] = float(np.abs(values).mean())
-        metrics.update({f"{label}/mean": float(values.mean()), f"{label}/std": float(values.std()),
-                        f"{label}/max": float(values.max()), f"{label}/min": float(values.min())})
-    real = prepared.valid > 0
-    scores = prepared.scores[real]
-    metrics["scores/mean"] = float(scores.mean())
-    metrics["scores/std"] = float(scores.std())
-    metrics["trajectories"] = float(real.sum())
-    agent_tokens = float(mask.sum())
+    totals = merge_batch_stats(batch_stats)
+    for label in ("advantages", "returns"):
+        count = max(totals[f"{label}/count"], 1.0)
+        mean = totals[f"{label}/sum"] / count
+        metrics[f"{label}/abs_mean"] = totals[f"{label}/abs_sum"] / count
+        metrics.update({f"{label}/mean": mean,
+                        f"{label}/std": math.sqrt(max(totals[f"{label}/square_sum"] / count - mean * mean, 0.0)),
+                        f"{label}/max": totals[f"{label}/max"], f"{label}/min": totals[f"{label}/min"]})
+    trajectories = max(totals["scores/count"], 1.0)
+    score_mean = totals["scores/sum"] / trajectories
+    metrics["scores/mean"] = score_mean
+    metrics["scores/std"] = math.sqrt(max(totals["scores/square_sum"] / trajectories - score_mean ** 2, 0.0))
+    metrics["trajectories"] = totals["scores/count"]
+    agent_tokens = totals["advantages/count"]
     metrics["agent_tokens"] = agent_tokens
     metrics["update_seconds"] = elapsed
     metrics["tokens_per_s"] = positions_per_epoch * epochs / elapsed

@@ -9,6 +9,7 @@ buffers back to the system (:mod:`agentgym_jax.allocator`).
 
 from __future__ import annotations
 
+import logging as pylogging
 import re
 import sys
 from typing import Any, Callable, NoReturn, Sequence
@@ -19,6 +20,16 @@ from agentgym_jax.allocator import limit_allocator_retention
 from agentgym_jax.errors import AgentGymError
 
 QUIET_VERBOSITY = -1  # absl: -1 is WARNING, 0 INFO, 1 DEBUG
+
+# Multi-process runs (agentgym_jax.distributed): every launcher connects its processes before touching a device.
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 in a multi-process run "
+                                   "(default: $JAX_COORDINATOR_ADDRESS; SLURM, Open MPI and TPU pods are detected).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run "
+                                      "(default: $JAX_NUM_PROCESSES or the detected cluster).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes-1 "
+                                   "(default: $JAX_PROCESS_ID or the detected cluster).")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout_s", 30, "A multi-process run stops within about this many "
+                                  "seconds when one of its processes dies or cannot be reached.")
 
 
 def _exit_with(message: str) -> NoReturn:
@@ -76,11 +87,31 @@ def run_main(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
 
     def wrapped(argv: list[str]) -> None:
         try:
+            _connect_processes()
             main(argv)
         except AgentGymError as error:
             _exit_with(str(error))
 
     return wrapped
+
+
+def _connect_processes() -> None:
+    """``jax.distributed.initialize`` when the flags, the environment or a detected cluster ask for several
+    processes; then every log line names its process."""
+    from agentgym_jax import distributed
+
+    if not distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _HEARTBEAT.value):
+        return
+    tag = f"[process {distributed.process_index()}/{distributed.process_count()}] "
+
+    class _Tag(pylogging.Filter):
+        def filter(self, record: pylogging.LogRecord) -> bool:
+            if not str(record.msg).startswith(tag):
+                record.msg = tag + str(record.msg)
+            return True
+
+    for handler in {logging.get_absl_handler(), *pylogging.getLogger().handlers}:
+        handler.addFilter(_Tag())
 
 
 def run(main: Callable[[list[str]], Any]) -> None:

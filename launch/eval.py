@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
     del argv
     from agentgym_jax.errors import CheckpointError
     from agentgym_jax.trainer import Trainer, _write_eval
-    from agentgym_jax import evaluation
+    from agentgym_jax import distributed, evaluation
 
     config = _CONFIG.value
     checkpoint = Path(_CHECKPOINT.value)
@@ -51,6 +51,8 @@ def main(argv: list[str]) -> None:
                 f" (newer checkpoints {skipped} could not be restored and were skipped)" if skipped else ""))
         tasks = trainer.test_tasks if _SPLIT.value == "test" else trainer.validation_tasks
         summary, trajectories = trainer.evaluate(tasks, k=_K.value, greedy=_GREEDY.value, desc=f"{_SPLIT.value} eval")
+        if not distributed.is_main():  # every process played its share; process 0 writes the results
+            return
         _write_eval(out / "eval", summary, trajectories)
         if trainer.recorder is not None:  # --config.train.record_rollouts=True: every episode, for analysis
             trainer.recorder.write(f"eval_{_SPLIT.value}", trainer.step, trajectories)

@@ -33,7 +33,11 @@ def main(argv: list[str]) -> None:
     del argv
     from agentgym_jax.trainer import train_and_evaluate
 
+    from agentgym_jax import distributed
+
     report = train_and_evaluate(_CONFIG.value, _WORKDIR.value, resume=_RESUME.value, overwrite=_OVERWRITE.value)
+    if not distributed.is_main():  # process 0 reports for the whole run
+        return
     lines = [f"run directory: {report['workdir']}"]
     for name in ("before", "after"):
         if f"success_{name}" in report:
