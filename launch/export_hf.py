@@ -30,6 +30,7 @@ _PEFT = flags.DEFINE_bool("peft", False, "LoRA runs: write a PEFT adapter direct
 def main(argv: list[str]) -> None:
     del argv
     from agentgym_jax.errors import CheckpointError
+    from agentgym_jax import distributed
     from agentgym_jax.trainer import Trainer
 
     checkpoint = Path(_CHECKPOINT.value)
@@ -47,7 +48,9 @@ def main(argv: list[str]) -> None:
                 raise CheckpointError(f"no checkpoint found in {checkpoint}")
             skipped = trainer.checkpointer.skipped
             note = f" (newer checkpoints {skipped} could not be restored)" if skipped else ""
-            print(f"exported step {trainer.step}{note} to {trainer.export(out, overwrite=_OVERWRITE.value, adapter_only=_PEFT.value)}")
+            if distributed.is_main():  # process 0 writes the export, from its own replica of the parameters
+                written = trainer.export(out, overwrite=_OVERWRITE.value, adapter_only=_PEFT.value)
+                print(f"exported step {trainer.step}{note} to {written}")
         finally:
             trainer.close()
 

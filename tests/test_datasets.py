@@ -25,18 +25,18 @@ def _as_trajectory(row: dict) -> Trajectory:
 
 
 def test_recorded_rollouts_read_back_equal_to_what_was_trained_on(tiny_dir, tmp_path, monkeypatch):
-    import agentgym_jax.trainer as trainer_module
+    import agentgym_jax.host_shards as host_shards
     from agentgym_jax.trainer import LENGTH_BUCKETS, Trainer
 
     packed = []  # (trajectories, batch) of every update
-    real_pack = trainer_module.pack_trajectories
+    real_pack = host_shards.pack_trajectories
 
     def spy(trajectories, *args, **kwargs):
         batch = real_pack(trajectories, *args, **kwargs)
         packed.append((list(trajectories), batch, args, kwargs))
         return batch
 
-    monkeypatch.setattr(trainer_module, "pack_trajectories", spy)
+    monkeypatch.setattr(host_shards, "pack_trajectories", spy)  # the trainer packs through host_shards
     trainer = Trainer(tiny_config(tiny_dir, tmp_path, steps=2, record_rollouts=True))
     try:
         trainer.fit()
