@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -80,8 +81,19 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if count is not None and index is not None and not 0 <= index < count:
         raise ConfigError(f"--process_id={index} must be in [0, {count}) for --num_processes={count}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-    jax.distributed.initialize(address, count, index, heartbeat_timeout_seconds=int(heartbeat_timeout_s),
-                               initialization_timeout=int(initialization_timeout_s))
+    # if the coordinator cannot be reached, JAX's runtime aborts this process after the timeout: say what it tried
+    print(f"process {index if index is not None else '?'}/{count if count is not None else '?'}: connecting to the "
+          f"coordinator {address or '(auto-detected)'} for up to {initialization_timeout_s} s", file=sys.stderr,
+          flush=True)
+    try:
+        jax.distributed.initialize(address, count, index, heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+                                   initialization_timeout=int(initialization_timeout_s))
+    except (RuntimeError, ValueError) as error:  # unreachable coordinator, a process that never came, bad address
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"could not connect the processes (coordinator {address or 'auto-detected'}, "
+                          f"{count} processes, this is {index}) within {initialization_timeout_s} s: {first_line}; "
+                          "start every process with the same --coordinator_address and --num_processes and a "
+                          "distinct --process_id") from None
     return jax.process_count() > 1
 
 

@@ -28,6 +28,8 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a mul
                                       "(default: $JAX_NUM_PROCESSES or the detected cluster).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes-1 "
                                    "(default: $JAX_PROCESS_ID or the detected cluster).")
+_CONNECT_TIMEOUT = flags.DEFINE_integer("connect_timeout_s", 300, "How long a multi-process run's processes wait "
+                                        "for each other to connect before giving up.")
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout_s", 30, "A multi-process run stops within about this many "
                                   "seconds when one of its processes dies or cannot be reached.")
 
@@ -100,7 +102,8 @@ def _connect_processes() -> None:
     processes; then every log line names its process."""
     from agentgym_jax import distributed
 
-    if not distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _HEARTBEAT.value):
+    if not distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _HEARTBEAT.value,
+                                  _CONNECT_TIMEOUT.value):
         return
     tag = f"[process {distributed.process_index()}/{distributed.process_count()}] "
 

@@ -155,3 +155,37 @@ def test_checkpoints_restore_under_another_process_count(runs, tmp_path):
     evaluated = json.loads((out / "eval.json").read_text())
     expected = json.loads((root / "one" / "eval_after.json").read_text())
     assert evaluated["overall"] == expected["overall"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(mesh=(1, 1, 1)), "needs a mesh over all 8 devices"),
+    (dict(dynamic_sampling=True), "data.dynamic_sampling is single-process for now"),
+    (dict(record_rollouts=True), "train.record_rollouts is single-process for now"),
+    (dict(tasks_per_step=3), "data.tasks_per_step=3 cannot be split evenly over 2 processes"),
+])
+def test_multiprocess_settings_are_checked_with_the_fix(tmp_path, overrides, message):
+    from agentgym_jax.errors import ConfigError
+    from agentgym_jax.run_config import validate_multiprocess_config
+    from tests.test_trainer import tiny_config
+
+    config = tiny_config(tmp_path / "model", tmp_path)
+    config.mesh.shape = overrides.get("mesh", (8, 1, 1))
+    config.data.dynamic_sampling = overrides.get("dynamic_sampling", False)
+    config.train.record_rollouts = overrides.get("record_rollouts", False)
+    config.data.tasks_per_step = overrides.get("tasks_per_step", 4)
+    with pytest.raises(ConfigError, match=message):
+        validate_multiprocess_config(config, processes=2, devices=8)
+
+
+def test_partial_connection_settings_name_what_is_missing(monkeypatch):
+    from agentgym_jax import distributed
+    from agentgym_jax.errors import ConfigError
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
+                 "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.initialize() is False  # nothing asked for: one process, nothing connected
+    with pytest.raises(ConfigError, match="missing num_processes, process_id"):
+        distributed.initialize(coordinator_address="127.0.0.1:1234")
+    with pytest.raises(ConfigError, match="--process_id=2 must be in"):
+        distributed.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
