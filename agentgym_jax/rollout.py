@@ -9,6 +9,7 @@ decoded and re-encoded. Each episode records why it ended: ``done`` (the environ
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import zlib
@@ -42,6 +43,10 @@ class RolloutConfig:
     # on (loss mask 0), part of the action the environment sees and of the recorded conversation.
     response_prefix: str = ""
     compact_below: float = 0.5  # drop finished rows from the sampler batch when active/batch falls below this
+    # Sampler rows: 0 = every episode at once. Lock-step rounds play max_rows episodes at a time, a round waiting
+    # for the slowest; continuous=True refills a finished episode's row with the next queued episode instead.
+    max_rows: int = 0
+    continuous: bool = False
 
     def validate(self) -> None:
         if self.max_turn_tokens < 1:
@@ -49,6 +54,8 @@ class RolloutConfig:
         if self.max_trajectory_tokens <= self.max_turn_tokens:
             raise ConfigError("rollout.max_trajectory_tokens must exceed rollout.max_turn_tokens")
         SamplingParams(self.temperature, self.top_p, self.top_k, self.max_turn_tokens).validate()
+        if self.max_rows < 0:
+            raise ConfigError(f"rollout.max_rows must be >= 0 (0: every episode at once), got {self.max_rows}")
 
 
 @dataclasses.dataclass
@@ -133,118 +140,241 @@ def run_rollout(
     """Plays one episode per entry of ``tasks`` (``Task`` objects; repeat a task for group sampling).
 
     Episode ``i`` samples from ``rng`` folded with ``episode_offset + i`` and its turn number, so an episode's
-    tokens do not depend on the sampler row, batch or process that plays it (``episode_offset``: the number of
-    episodes of the same call played by earlier processes). ``progress(round, active, finished)`` is called
+    tokens do not depend on the sampler row, batch, loop or process that plays it (``episode_offset``: the number
+    of episodes of the same call played by earlier processes). With ``config.continuous`` a finished episode's
+    sampler row takes the next queued episode (:func:`_play_continuous`); otherwise episodes play in lock-step
+    rounds, ``config.max_rows`` at a time (all at once when 0). ``progress(round, active, finished)`` is called
     after each round.
     """
     config.validate()
     if horizon < 1:
         raise ConfigError(f"horizon must be >= 1, got {horizon}")
+    trajectories = [Trajectory(task_id=t.task_id, group_id=int(g), subtask=t.subtask) for t, g in zip(tasks, group_ids)]
+    episode_keys = _episode_keys(rng, episode_offset + np.arange(len(trajectories)))
     stats = RolloutStats()
     t0 = time.perf_counter()
-    trajectories = [Trajectory(task_id=t.task_id, group_id=int(g), subtask=t.subtask) for t, g in zip(tasks, group_ids)]
-    starts = pool.reset([t.task_id for t in tasks])
-    stats.env_s += time.perf_counter() - t0
-    instruction = pool.instruction
-    prefix_ids = [int(i) for i in chat.encode_in_turn(config.response_prefix)] if config.response_prefix else []
-    pending: dict[int, list[int]] = {}  # trajectory index -> ids to append before its next turn
-    for index, (trajectory, start) in enumerate(zip(trajectories, starts)):
-        trajectory.episode_id = start.episode_id
-        if start.error:
-            trajectory.end_reason, trajectory.error = END_ENV_ERROR, start.error
-            continue
-        messages = [] if config.system_prompt is None else [{"role": "system", "content": config.system_prompt}]
-        if config.canned_reply:
-            messages += [{"role": "user", "content": instruction}, {"role": "assistant", "content": config.canned_reply},
-                         {"role": "user", "content": start.observation}]
-        else:
-            messages += [{"role": "user", "content": f"{instruction}\n\n{start.observation}"}]
-        trajectory.messages = messages
-        trajectory.state_keys.append(state_key(start.info, start.observation))
-        pending[index] = [int(i) for i in chat.render(messages, add_generation_prompt=True).ids] + prefix_ids
+    turns = _Turns(sampler, pool, chat, config, horizon, stats)
+    if config.continuous:
+        _play_continuous(turns, trajectories, episode_keys, progress)
+    else:
+        wave = config.max_rows or len(trajectories)
+        for start in range(0, len(trajectories), wave):
+            _play_lockstep(turns, trajectories[start: start + wave], episode_keys[start: start + wave], progress)
+    stats.host_s = time.perf_counter() - t0 - stats.sampling_s - stats.env_s
+    return trajectories, stats
 
-    episode_keys = _episode_keys(rng, episode_offset + np.arange(len(trajectories)))
+
+class _Turns:
+    """What both loops do per episode: open it from its reset, sample turns, apply the environment's answers."""
+
+    def __init__(self, sampler: Sampler, pool: Any, chat: ChatTokenizer, config: RolloutConfig, horizon: int,
+                 stats: RolloutStats):
+        self.sampler, self.pool, self.chat, self.config, self.horizon, self.stats = (sampler, pool, chat, config,
+                                                                                    horizon, stats)
+        self.prefix_ids = [int(i) for i in chat.encode_in_turn(config.response_prefix)] if config.response_prefix else []
+
+    def reset(self, trajectories: Sequence[Trajectory]) -> list[list[int] | None]:
+        """Starts the episodes; each one's first prompt ids (None where the reset failed: it has ended)."""
+        t0 = time.perf_counter()
+        starts = self.pool.reset([t.task_id for t in trajectories])
+        self.stats.env_s += time.perf_counter() - t0
+        config, instruction = self.config, self.pool.instruction
+        prompts: list[list[int] | None] = []
+        for trajectory, start in zip(trajectories, starts):
+            trajectory.episode_id = start.episode_id
+            if start.error:
+                trajectory.end_reason, trajectory.error = END_ENV_ERROR, start.error
+                prompts.append(None)
+                continue
+            messages = [] if config.system_prompt is None else [{"role": "system", "content": config.system_prompt}]
+            if config.canned_reply:
+                messages += [{"role": "user", "content": instruction},
+                             {"role": "assistant", "content": config.canned_reply},
+                             {"role": "user", "content": start.observation}]
+            else:
+                messages += [{"role": "user", "content": f"{instruction}\n\n{start.observation}"}]
+            trajectory.messages = messages
+            trajectory.state_keys.append(state_key(start.info, start.observation))
+            prompts.append([int(i) for i in self.chat.render(messages, add_generation_prompt=True).ids]
+                           + self.prefix_ids)
+        return prompts
+
+    def fits(self, trajectory: Trajectory, prompt: Sequence[int]) -> bool:
+        """Whether the next turn fits the token budget (its new tokens plus one generated token); ends it if not."""
+        if len(trajectory.tokens) + len(prompt) + 1 > self.config.max_trajectory_tokens:
+            trajectory.end_reason = END_BUDGET
+            return False
+        return True
+
+    def params(self, trajectory: Trajectory, prompt: Sequence[int]) -> SamplingParams:
+        room = self.config.max_trajectory_tokens - len(trajectory.tokens) - len(prompt)
+        c = self.config
+        return SamplingParams(c.temperature, c.top_p, c.top_k, min(c.max_turn_tokens, room))
+
+    def generate(self, state: Any, rows: list[list[int] | None], params: list[SamplingParams],
+                 keys: jax.Array, turns: np.ndarray) -> tuple[Any, Any]:
+        """One sampler call; row ``r`` draws from ``keys[r]`` folded with its episode's turn ``turns[r]``."""
+        t0 = time.perf_counter()
+        state, result = self.sampler.generate(state, rows, keys[0], params, row_keys=_turn_keys(keys, turns))
+        self.stats.sampling_s += time.perf_counter() - t0
+        self.stats.rounds += 1
+        return state, result
+
+    def record(self, trajectory: Trajectory, prompt: Sequence[int], sampled: list[int], logprobs: list[float],
+               reason: StopReason) -> str | None:
+        """Appends a turn's prompt and sampled tokens; its action text (None: the cache was full, it ended)."""
+        trajectory.append(prompt, 0)
+        trajectory.append(sampled, 1, logprobs, turn=trajectory.turns)
+        self.stats.generated_tokens += len(sampled)
+        trajectory.turns += 1
+        if reason == StopReason.CACHE_FULL and not sampled:
+            trajectory.end_reason = END_BUDGET
+            return None
+        text = self.config.response_prefix + self.chat.decode_assistant(sampled)
+        trajectory.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def step(self, actions: dict[int, str]) -> dict[int, Any]:
+        t0 = time.perf_counter()
+        outcomes = self.pool.step(actions) if actions else {}
+        self.stats.env_s += time.perf_counter() - t0
+        self.stats.env_steps += len(outcomes)
+        return outcomes
+
+    def answer(self, trajectory: Trajectory, outcome: Any, sampled: list[int]) -> list[int] | None:
+        """Records the environment's answer to the last turn; the next turn's prompt ids, or None when the
+        episode ended (done, env error, or its horizon reached)."""
+        if outcome.error:
+            trajectory.end_reason, trajectory.error = END_ENV_ERROR, outcome.error
+            trajectory.step_rewards.append(-trajectory.score)  # the outcome falls back to 0
+            trajectory.score, trajectory.success = 0.0, False
+            return None
+        trajectory.step_rewards.append(float(outcome.reward) - trajectory.score)
+        trajectory.score, trajectory.success = float(outcome.reward), _success(outcome)
+        trajectory.record_action_validity(outcome.info)
+        if outcome.done:
+            trajectory.end_reason = END_DONE
+            return None
+        if trajectory.turns >= self.horizon:
+            trajectory.end_reason = END_HORIZON
+            return None
+        closing = self.chat.assistant_turn(sampled, include_generation_prompt=False)
+        observation = {"role": "user", "content": outcome.observation}
+        turn = self.chat.render_turn(list(trajectory.messages), observation, add_generation_prompt=True)
+        trajectory.messages.append(observation)
+        trajectory.state_keys.append(state_key(outcome.info, outcome.observation))
+        return [int(t) for t in closing.ids[len(sampled):]] + [int(t) for t in turn.ids] + self.prefix_ids
+
+    def finish(self, trajectories: Sequence[Trajectory]) -> None:
+        for trajectory in trajectories:
+            if not trajectory.end_reason:
+                trajectory.end_reason = END_HORIZON if trajectory.turns >= self.horizon else END_BUDGET
+        self.pool.close_episodes([t.episode_id for t in trajectories if t.episode_id >= 0])
+
+
+def _play_lockstep(turns: _Turns, trajectories: list[Trajectory], episode_keys: jax.Array,
+                   progress: Callable[[int, int, int], None] | None) -> None:
+    """Every episode takes its turn in the same round; a round waits for the slowest. Finished rows are dropped
+    from the sampler batch when few remain; the samples of a task share one prefill of their prompt."""
+    config, sampler = turns.config, turns.sampler
+    pending = {i: ids for i, ids in enumerate(turns.reset(trajectories)) if ids is not None}
     state, cached = _prefill_shared_prompts(sampler, pending, len(trajectories))
     row_of = {index: index for index in range(len(trajectories))}  # trajectory -> sampler row
-    budget = config.max_trajectory_tokens
-    for round_index in range(horizon):
-        active = [i for i in pending if not trajectories[i].end_reason]
-        for i in list(active):  # the next turn must fit: new tokens plus at least one generated token
-            if len(trajectories[i].tokens) + len(pending[i]) + 1 > budget:
-                trajectories[i].end_reason = END_BUDGET
-                active.remove(i)
+    for round_index in range(turns.horizon):
+        active = [i for i in pending if not trajectories[i].end_reason and turns.fits(trajectories[i], pending[i])]
         if not active:
             break
         if len(active) < config.compact_below * state.batch_size and sampler.batch_bucket(len(active)) < state.batch_size:
             state = sampler.select_rows(state, [row_of[i] for i in active])
             row_of = {i: row for row, i in enumerate(active)}
         rows: list[list[int] | None] = [None] * state.batch_size
-        params: list[SamplingParams] = [SamplingParams(config.temperature, config.top_p, config.top_k, 1)] * state.batch_size
-        for i in active:
-            room = budget - len(trajectories[i].tokens) - len(pending[i])
-            rows[row_of[i]] = pending[i][cached.pop(i, 0):]  # a shared prompt's prefix is in the cache already
-            params[row_of[i]] = SamplingParams(config.temperature, config.top_p, config.top_k,
-                                               min(config.max_turn_tokens, room))
-        t_sample = time.perf_counter()
+        params = [SamplingParams(config.temperature, config.top_p, config.top_k, 1)] * state.batch_size
         episode_of_row = np.zeros((state.batch_size,), np.int32)
         for i in active:
+            rows[row_of[i]] = pending[i][cached.pop(i, 0):]  # a shared prompt's prefix is in the cache already
+            params[row_of[i]] = turns.params(trajectories[i], pending[i])
             episode_of_row[row_of[i]] = i
-        turn_keys = _turn_keys(episode_keys[episode_of_row], round_index)
-        state, result = sampler.generate(state, rows, rng, params, row_keys=turn_keys)
-        stats.sampling_s += time.perf_counter() - t_sample
-        stats.rounds += 1
+        state, result = turns.generate(state, rows, params, episode_keys[episode_of_row],
+                                       np.array([trajectories[i].turns for i in episode_of_row], np.int32))
         actions: dict[int, str] = {}
         for i in active:
-            trajectory, row = trajectories[i], row_of[i]
-            trajectory.append(pending.pop(i), 0)
-            sampled, reason = result.tokens[row], result.stop_reasons[row]
-            trajectory.append(sampled, 1, result.logprobs[row], turn=trajectory.turns)
-            stats.generated_tokens += len(sampled)
-            trajectory.turns += 1
-            if reason == StopReason.CACHE_FULL and not sampled:
-                trajectory.end_reason = END_BUDGET
-                continue
-            text = config.response_prefix + chat.decode_assistant(sampled)
-            trajectory.messages.append({"role": "assistant", "content": text})
-            actions[trajectory.episode_id] = text
-        t_env = time.perf_counter()
-        outcomes = pool.step(actions) if actions else {}
-        stats.env_s += time.perf_counter() - t_env
-        stats.env_steps += len(outcomes)
+            row = row_of[i]
+            action = turns.record(trajectories[i], pending.pop(i), result.tokens[row], result.logprobs[row],
+                                  result.stop_reasons[row])
+            if action is not None:
+                actions[trajectories[i].episode_id] = action
         by_episode = {trajectories[i].episode_id: i for i in active}
-        for episode_id, outcome in outcomes.items():
+        for episode_id, outcome in turns.step(actions).items():
             i = by_episode[episode_id]
-            trajectory = trajectories[i]
-            if outcome.error:
-                trajectory.end_reason, trajectory.error = END_ENV_ERROR, outcome.error
-                trajectory.step_rewards.append(-trajectory.score)  # the outcome falls back to 0
-                trajectory.score, trajectory.success = 0.0, False
-                continue
-            trajectory.step_rewards.append(float(outcome.reward) - trajectory.score)
-            trajectory.score, trajectory.success = float(outcome.reward), _success(outcome)
-            trajectory.record_action_validity(outcome.info)
-            if outcome.done:
-                trajectory.end_reason = END_DONE
-            elif round_index + 1 == horizon:
-                trajectory.end_reason = END_HORIZON
-            else:
-                sampled = result.tokens[row_of[i]]
-                closing = chat.assistant_turn(sampled, include_generation_prompt=False)
-                history = list(trajectory.messages)
-                observation = {"role": "user", "content": outcome.observation}
-                turn = chat.render_turn(history, observation, add_generation_prompt=True)
-                trajectory.messages.append(observation)
-                trajectory.state_keys.append(state_key(outcome.info, outcome.observation))
-                pending[i] = [int(t) for t in closing.ids[len(sampled):]] + [int(t) for t in turn.ids] + prefix_ids
+            following = turns.answer(trajectories[i], outcome, result.tokens[row_of[i]])
+            if following is not None:
+                pending[i] = following
         if progress is not None:
             finished = sum(1 for t in trajectories if t.end_reason)
             progress(round_index + 1, len(trajectories) - finished, finished)
-    for trajectory in trajectories:
-        if not trajectory.end_reason:
-            trajectory.end_reason = END_HORIZON if trajectory.turns >= horizon else END_BUDGET
-    pool.close_episodes([t.episode_id for t in trajectories if t.episode_id >= 0])
-    stats.host_s = time.perf_counter() - t0 - stats.sampling_s - stats.env_s
-    return trajectories, stats
+    turns.finish(trajectories)
+
+
+def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys: jax.Array,
+                     progress: Callable[[int, int, int], None] | None) -> None:
+    """Episodes queue for ``config.max_rows`` sampler rows (all at once when 0): each round, free rows take the
+    next queued episodes (reset, and their prompt written into the row's emptied cache), then every episode in a
+    row takes a turn. A finished episode frees its row (and its environment episode) at once, so no row waits
+    for the slowest episode of a round."""
+    sampler = turns.sampler
+    state = sampler.new_state(min(turns.config.max_rows or len(trajectories), len(trajectories)))
+    queue = collections.deque(range(len(trajectories)))
+    free_rows = list(range(state.batch_size))
+    row_of: dict[int, int] = {}  # playing episode -> its row
+    pending: dict[int, list[int]] = {}
+    round_index = 0
+    while queue or row_of:
+        admitted = [(queue.popleft(), free_rows.pop(0)) for _ in range(min(len(queue), len(free_rows)))]
+        if admitted:
+            prompts = turns.reset([trajectories[i] for i, _ in admitted])
+            opened = [(i, row, ids) for (i, row), ids in zip(admitted, prompts) if ids is not None]
+            free_rows += [row for (i, row), ids in zip(admitted, prompts) if ids is None]
+            turns.finish([trajectories[i] for (i, _), ids in zip(admitted, prompts) if ids is None])
+            state = sampler.clear_rows(state, [row for _, row, _ in opened])
+            for i, row, ids in opened:
+                row_of[i], pending[i] = row, ids
+        ended = [i for i in row_of if not turns.fits(trajectories[i], pending[i])]
+        active = [i for i in row_of if i not in ended]
+        if active:
+            rows: list[list[int] | None] = [None] * state.batch_size
+            c = turns.config
+            params = [SamplingParams(c.temperature, c.top_p, c.top_k, 1)] * state.batch_size
+            episode_of_row = np.zeros((state.batch_size,), np.int32)
+            for i in active:
+                rows[row_of[i]], params[row_of[i]] = pending[i], turns.params(trajectories[i], pending[i])
+                episode_of_row[row_of[i]] = i
+            state, result = turns.generate(state, rows, params, episode_keys[episode_of_row],
+                                           np.array([trajectories[i].turns for i in episode_of_row], np.int32))
+            actions: dict[int, str] = {}
+            for i in active:
+                row = row_of[i]
+                action = turns.record(trajectories[i], pending.pop(i), result.tokens[row], result.logprobs[row],
+                                      result.stop_reasons[row])
+                if action is None:
+                    ended.append(i)
+                else:
+                    actions[trajectories[i].episode_id] = action
+            by_episode = {trajectories[i].episode_id: i for i in active}
+            for episode_id, outcome in turns.step(actions).items():
+                i = by_episode[episode_id]
+                following = turns.answer(trajectories[i], outcome, result.tokens[row_of[i]])
+                if following is None:
+                    ended.append(i)
+                else:
+                    pending[i] = following
+        for i in ended:  # free the row for the next queued episode, and the environment's episode
+            free_rows.append(row_of.pop(i))
+            pending.pop(i, None)
+        turns.finish([trajectories[i] for i in ended])
+        round_index += 1
+        if progress is not None:
+            finished = sum(1 for t in trajectories if t.end_reason)
+            progress(round_index, len(row_of), finished)
 
 
 @jax.jit
@@ -253,8 +383,8 @@ def _episode_keys(rng: jax.Array, episodes: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _turn_keys(episode_keys: jax.Array, turn: jax.Array) -> jax.Array:
-    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(episode_keys, turn)
+def _turn_keys(episode_keys: jax.Array, turns: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in)(episode_keys, turns)
 
 
 def _prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], episodes: int) -> tuple[Any, dict[int, int]]:

@@ -39,6 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
         system_prompt="", canned_reply="OK. I'll follow your instructions and try my best to solve the task.",
         response_prefix="", stop_at_newline=False,
         stop_strings=(),  # text that ends a turn, e.g. ("</search>", "</answer>") for searchqa (chat.stop_sequences)
+        max_rows=0, continuous=False,  # sampler rows (0: all episodes) and how they are kept busy (rollout.py)
     )
     c.horizon = dict(type="fixed", turns=20, rounds=(6, 13, 20), steps_per_stage=100, stage_starts=(), start=1, end=1,
                      increment=1)

@@ -396,6 +396,18 @@ class Sampler:
         state.cache = None  # donated
         return SamplerState(cache=cache, lengths=state.lengths + lengths)
 
+    def clear_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
+        """Empties ``rows`` for new episodes (their next tokens are written from slot 0; what the old episode
+        left in the cache is never attended to again). The other rows keep their caches."""
+        if not rows:
+            return state
+        clear = np.zeros((state.batch_size,), bool)
+        clear[list(rows)] = True
+        with sharding.use_mesh(self.mesh):
+            cache = _clear_rows_program(state.cache, jnp.asarray(clear))
+        state.cache = None  # donated
+        return SamplerState(cache=cache, lengths=np.where(clear, 0, state.lengths))
+
     def select_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """Keeps only ``rows`` (e.g. drops finished episodes), compacting into a smaller batch bucket; a row
         listed twice is copied (forking a shared prompt into several episodes)."""
@@ -408,6 +420,11 @@ class Sampler:
             cache = _select_rows_program(state.cache, jnp.asarray(index), jnp.asarray(keep))
         lengths = np.where(keep, state.lengths[index], 0)
         return SamplerState(cache=cache, lengths=lengths)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _clear_rows_program(cache: KVCache, clear: jax.Array) -> KVCache:
+    return dataclasses.replace(cache, lengths=jnp.where(clear, 0, cache.lengths))
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))

@@ -1,6 +1,6 @@
 """A trivially learnable multi-turn environment for trainer tests (registered as "letters").
 
-Each episode has ``turns`` agent turns. A turn scores when the agent's reply starts (after spaces) with one of
+Each episode has ``turns`` agent turns (with ``stop_on_hit``, it ends at its first scoring turn). A turn scores when the agent's reply starts (after spaces) with one of
 the letters a-m, any case; the episode's reward after each turn is the share of turns scored so far, and it ends
 after the last turn. A random policy scores around a third; a policy that learns scores 1.
 """
@@ -18,8 +18,9 @@ GOOD = set("abcdefghijklmABCDEFGHIJKLM")
 class LettersEnvironment(Environment):
     name = "letters"
 
-    def __init__(self, turns: int = 2, num_train: int = 64, num_test: int = 16):
+    def __init__(self, turns: int = 2, num_train: int = 64, num_test: int = 16, stop_on_hit: bool = False):
         self.turns, self.num_train, self.num_test = turns, num_train, num_test
+        self.stop_on_hit = stop_on_hit  # end at the first scoring turn: episodes of varied length
         self._turn, self._hits = 0, 0
 
     def instruction(self) -> str:
@@ -37,8 +38,9 @@ class LettersEnvironment(Environment):
     def step(self, action_text: str) -> StepResult:
         self._turn += 1
         stripped = action_text.lstrip()
-        self._hits += bool(stripped) and stripped[0] in GOOD
-        done = self._turn >= self.turns
+        hit = bool(stripped) and stripped[0] in GOOD
+        self._hits += hit
+        done = self._turn >= self.turns or (self.stop_on_hit and hit)
         score = self._hits / self.turns
         return StepResult(f"Turn {self._turn} noted. Another word.", score, done,
                           {"success": done and self._hits == self.turns})

@@ -1,0 +1,78 @@
+"""The two rollout loops: lock-step rounds and continuous episodes (a finished episode's sampler row is refilled
+with the next queued one) play the same episodes, token for token, for a fixed seed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from tests.test_trainer import tiny_config
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from agentgym_jax.trainer import Trainer
+    from tests.tiny_models import save_tiny_chat_model
+
+    root = tmp_path_factory.mktemp("loops")
+    config = tiny_config(save_tiny_chat_model(root / "model"), root / "run")
+    config.env.kwargs = dict(turns=5, stop_on_hit=True)  # episodes of 1 to 5 turns
+    config.rollout.max_turn_tokens, config.rollout.max_trajectory_tokens = 3, 384
+    trainer = Trainer(config)
+    yield trainer
+    trainer.close()
+
+
+def _play(trainer, tasks, greedy, **rollout):
+    trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **rollout)
+    trajectories, stats = trainer.rollout(tasks, 4, 5, jax.random.PRNGKey(11), greedy=greedy)
+    return trajectories, stats
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_continuous_episodes_play_the_lockstep_episodes(trainer, greedy):
+    tasks = trainer.train_tasks[:6]  # 24 episodes
+    lockstep, lock_stats = _play(trainer, tasks, greedy, continuous=False, max_rows=0)
+    continuous, cont_stats = _play(trainer, tasks, greedy, continuous=True, max_rows=8)
+    waves, wave_stats = _play(trainer, tasks, greedy, continuous=False, max_rows=8)
+    turns = [t.turns for t in lockstep]
+    if not greedy:  # (the random model's greedy reply never scores: every greedy episode takes 5 turns)
+        assert min(turns) < max(turns), turns  # episodes of different lengths
+    for other in (continuous, waves):
+        assert len(other) == len(lockstep)
+        for mine, ref in zip(other, lockstep):
+            assert (mine.task_id, mine.group_id, mine.turns, mine.end_reason) == (
+                ref.task_id, ref.group_id, ref.turns, ref.end_reason)
+            assert mine.tokens == ref.tokens and mine.loss_mask == ref.loss_mask and mine.turn_ids == ref.turn_ids
+            assert mine.messages == ref.messages and mine.step_rewards == ref.step_rewards
+            np.testing.assert_allclose(mine.logprobs, ref.logprobs, atol=1e-4)
+    # 8 rows for 24 episodes: the continuous loop refills rows instead of playing waves of 8, each waiting for its
+    # slowest episode
+    assert cont_stats.generated_tokens == wave_stats.generated_tokens == lock_stats.generated_tokens
+    assert cont_stats.rounds <= wave_stats.rounds
+    if not greedy:
+        assert cont_stats.rounds < wave_stats.rounds, (cont_stats.rounds, wave_stats.rounds)
+
+
+def test_continuous_rows_bound_the_sampler_batch(trainer, monkeypatch):
+    sizes = []
+    real = trainer.sampler.generate
+
+    def spy(state, rows, *args, **kwargs):
+        sizes.append(state.batch_size)
+        return real(state, rows, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.sampler, "generate", spy)
+    _play(trainer, trainer.train_tasks[:6], True, continuous=True, max_rows=8)
+    assert sizes and set(sizes) == {8}
+
+
+def test_negative_rows_are_refused():
+    from agentgym_jax.errors import ConfigError
+    from agentgym_jax.rollout import RolloutConfig
+
+    with pytest.raises(ConfigError, match="rollout.max_rows must be >= 0"):
+        RolloutConfig(max_rows=-1).validate()
