@@ -327,6 +327,8 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
     free_rows = list(range(state.batch_size))
     row_of: dict[int, int] = {}  # playing episode -> its row
     pending: dict[int, list[int]] = {}
+    opening = _SharedOpening()
+    cached: dict[int, int] = {}  # episode -> leading ids of its pending prompt already in its row
     round_index = 0
     while queue or row_of:
         admitted = [(queue.popleft(), free_rows.pop(0)) for _ in range(min(len(queue), len(free_rows)))]
@@ -336,8 +338,9 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
             free_rows += [row for (i, row), ids in zip(admitted, prompts) if ids is None]
             turns.finish([trajectories[i] for (i, _), ids in zip(admitted, prompts) if ids is None])
             state = sampler.clear_rows(state, [row for _, row, _ in opened])
-            for i, row, ids in opened:
-                row_of[i], pending[i] = row, ids
+            state, shared = opening.fill(sampler, state, [(row, ids) for _, row, ids in opened])
+            for (i, row, ids), length in zip(opened, shared):
+                row_of[i], pending[i], cached[i] = row, ids, length
         ended = [i for i in row_of if not turns.fits(trajectories[i], pending[i])]
         active = [i for i in row_of if i not in ended]
         if active:
@@ -346,7 +349,8 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
             params = [SamplingParams(c.temperature, c.top_p, c.top_k, 1)] * state.batch_size
             episode_of_row = np.zeros((state.batch_size,), np.int32)
             for i in active:
-                rows[row_of[i]], params[row_of[i]] = pending[i], turns.params(trajectories[i], pending[i])
+                rows[row_of[i]] = pending[i][cached.pop(i, 0):]
+                params[row_of[i]] = turns.params(trajectories[i], pending[i])
                 episode_of_row[row_of[i]] = i
             state, result = turns.generate(state, rows, params, episode_keys[episode_of_row],
                                            np.array([trajectories[i].turns for i in episode_of_row], np.int32))
@@ -375,6 +379,33 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
         if progress is not None:
             finished = sum(1 for t in trajectories if t.end_reason)
             progress(round_index, len(row_of), finished)
+
+
+class _SharedOpening:
+    """The opening every episode's first prompt shares (system prompt, instruction), prefilled once into a
+    one-row cache and copied into each row a new episode takes, so only the rest of its prompt is computed."""
+
+    MIN_TOKENS = 16  # a shorter shared opening is not worth a copy
+
+    def __init__(self) -> None:
+        self.ids: list[int] | None = None
+        self.state: Any = None
+
+    def fill(self, sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]]) -> tuple[Any, list[int]]:
+        """Copies the opening into the (emptied) ``rows`` whose prompt starts with it; how many ids of each
+        prompt are in its row now (0 where it does not start with the opening)."""
+        if self.ids is None and rows:
+            prompts = [ids for _, ids in rows]
+            common = min(len(ids) for ids in prompts) - 1  # generate needs one new token to read logits from
+            common = next((n for n in range(common) if any(ids[n] != prompts[0][n] for ids in prompts)), common)
+            self.ids = prompts[0][:common] if common >= self.MIN_TOKENS else []
+            if self.ids:
+                self.state = sampler.prefill(sampler.new_state(1), [self.ids])
+        n = len(self.ids or ())
+        starts = [bool(n) and len(ids) > n and ids[:n] == self.ids for _, ids in rows]
+        if any(starts):
+            state = sampler.copy_row(self.state, 0, state, [row for (row, _), hit in zip(rows, starts) if hit])
+        return state, [n if hit else 0 for hit in starts]
 
 
 @jax.jit

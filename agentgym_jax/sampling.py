@@ -408,6 +408,15 @@ class Sampler:
         state.cache = None  # donated
         return SamplerState(cache=cache, lengths=np.where(clear, 0, state.lengths))
 
+    def copy_row(self, source: SamplerState, row: int, state: SamplerState, rows: Sequence[int]) -> SamplerState:
+        """Copies ``source``'s cache row ``row`` (e.g. a prefilled shared prompt) into ``rows`` of ``state``."""
+        into = np.zeros((state.batch_size,), bool)
+        into[list(rows)] = True
+        with sharding.use_mesh(self.mesh):
+            cache = _copy_row_program(source.cache, jnp.int32(row), state.cache, jnp.asarray(into))
+        state.cache = None  # donated
+        return SamplerState(cache=cache, lengths=np.where(into, source.lengths[row], state.lengths))
+
     def select_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """Keeps only ``rows`` (e.g. drops finished episodes), compacting into a smaller batch bucket; a row
         listed twice is copied (forking a shared prompt into several episodes)."""
@@ -420,6 +429,14 @@ class Sampler:
             cache = _select_rows_program(state.cache, jnp.asarray(index), jnp.asarray(keep))
         lengths = np.where(keep, state.lengths[index], 0)
         return SamplerState(cache=cache, lengths=lengths)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _copy_row_program(source: KVCache, row: jax.Array, cache: KVCache, into: jax.Array) -> KVCache:
+    put = lambda whole, part: jnp.where(into[:, None, None, None], part[row][None], whole)
+    return KVCache(keys=[put(k, s) for k, s in zip(cache.keys, source.keys)],
+                   values=[put(v, s) for v, s in zip(cache.values, source.values)],
+                   lengths=jnp.where(into, source.lengths[row], cache.lengths))
 
 
 @partial(jax.jit, donate_argnames=("cache",))

@@ -65,9 +65,18 @@ def test_continuous_rows_bound_the_sampler_batch(trainer, monkeypatch):
         sizes.append(state.batch_size)
         return real(state, rows, *args, **kwargs)
 
+    copies = []
+    real_copy = trainer.sampler.copy_row
+
+    def copy_spy(source, row, state, rows):
+        copies.append(len(rows))
+        return real_copy(source, row, state, rows)
+
     monkeypatch.setattr(trainer.sampler, "generate", spy)
+    monkeypatch.setattr(trainer.sampler, "copy_row", copy_spy)
     _play(trainer, trainer.train_tasks[:6], True, continuous=True, max_rows=8)
     assert sizes and set(sizes) == {8}
+    assert sum(copies) == 24  # every episode's row got the shared opening from the one prefilled copy
 
 
 def test_negative_rows_are_refused():

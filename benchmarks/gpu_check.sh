@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The prepared accelerator check (issue: speed). One call on a machine with a GPU and an image holding JAX+CUDA,
+# flax, optax, orbax, transformers and torch (no network needed): sampler tokens/s and train-step MFU of a
+# Qwen2.5-1.5B-shaped model with random weights, ours against transformers on the same GPU. Writes
+# benchmarks/results/gpu.json; sized to finish in under 5 minutes on one H100/H200.
+#
+#   bash benchmarks/gpu_check.sh                 # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_check.sh --shape=tiny    # the same path on a CPU in seconds
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+python_ok=$("$PYTHON" -c "import jax, flax, optax, orbax.checkpoint, transformers, torch; print('ok')" 2>/dev/null || true)
+if [ "$python_ok" != "ok" ]; then
+  echo "error: $PYTHON lacks one of jax, flax, optax, orbax-checkpoint, transformers, torch" >&2
+  exit 2
+fi
+"$PYTHON" -c "import jax; print('devices:', jax.devices())"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # leave room for torch on the same GPU
+exec "$PYTHON" -m benchmarks.gpu_check "$@"
