@@ -43,3 +43,12 @@ def limit_allocator_retention() -> dict[str, int]:
     wanted = {"mmap_threshold": (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), "trim_threshold": (M_TRIM_THRESHOLD, 0),
               "arena_max": (M_ARENA_MAX, ARENA_MAX)}
     return {name: value for name, (param, value) in wanted.items() if mallopt(param, value) == 1}
+
+
+def peak_rss_gb() -> dict[str, float]:
+    """Peak resident memory of this process and of its finished-or-waited children (env workers), in GB."""
+    import resource
+
+    to_gb = 1024 / 1e9  # ru_maxrss is in KiB on Linux
+    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * to_gb,
+            "peak_rss_children_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * to_gb}

@@ -110,3 +110,13 @@ class SignalMonitor:
         lines.append("Also: data.dynamic_sampling=True keeps only groups with signal (over-sampling tasks), and a "
                      "larger data.samples_per_task makes a differing sample in a group more likely.")
         return "\n".join(lines)
+
+
+def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
+    """The progress bar's view of a step: success, reward, and whether RL had a signal."""
+    fields = {"success": f"{metrics['rollout/success']:.2f}", "score": f"{metrics['rollout/score']:.3f}"}
+    if "diag/valid_action_rate" in metrics:
+        fields["valid"] = f"{metrics['diag/valid_action_rate']:.2f}"
+    fields["signal"] = f"{metrics['diag/groups_with_signal']:.2f}"
+    fields["horizon"] = str(metrics["horizon"])
+    return fields

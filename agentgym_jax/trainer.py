@@ -21,10 +21,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from agentgym_jax import distributed, evaluation, hf, host_shards, schedule, sharding
+from agentgym_jax.allocator import peak_rss_gb
 from agentgym_jax.buckets import LENGTH_BUCKETS, bucket
 from agentgym_jax.chat import ChatTokenizer
 from agentgym_jax.checkpoint import RunCheckpointer
-from agentgym_jax.diagnostics import SignalMonitor, learner_diagnostics, rollout_diagnostics
+from agentgym_jax.diagnostics import SignalMonitor, learner_diagnostics, progress_fields, rollout_diagnostics
 from agentgym_jax.dynamic_sampling import collect_groups_with_signal
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.learner import Learner
@@ -382,7 +383,7 @@ class Trainer:
             if train.checkpoint_every and (self.step % train.checkpoint_every == 0 or self.step == last):
                 self.save(eval_score)
             bar.update(1)
-            bar.set_postfix(_progress_fields(metrics))
+            bar.set_postfix(progress_fields(metrics))
         bar.close()
         self.checkpointer.wait()
         return history
@@ -404,16 +405,6 @@ class Trainer:
         self.checkpointer.close()
         self.logger.close()
         self.pool.close()
-
-
-def _progress_fields(metrics: dict[str, float]) -> dict[str, str]:
-    """The progress bar's view of a step: success, reward, and whether RL had a signal."""
-    fields = {"success": f"{metrics['rollout/success']:.2f}", "score": f"{metrics['rollout/score']:.3f}"}
-    if "diag/valid_action_rate" in metrics:
-        fields["valid"] = f"{metrics['diag/valid_action_rate']:.2f}"
-    fields["signal"] = f"{metrics['diag/groups_with_signal']:.2f}"
-    fields["horizon"] = str(metrics["horizon"])
-    return fields
 
 
 def _readable(trajectory: Trajectory) -> dict[str, Any]:
@@ -496,15 +487,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path | 
                         "eval_k": int(config.eval.k), "eval_greedy": bool(config.eval.greedy)})
         atomic_write_text(config.train.report_path, json.dumps(summary, indent=2) + "\n")
     return report
-
-
-def peak_rss_gb() -> dict[str, float]:
-    """Peak resident memory of this process and of its finished-or-waited children (env workers), in GB."""
-    import resource
-
-    to_gb = 1024 / 1e9  # ru_maxrss is in KiB on Linux
-    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * to_gb,
-            "peak_rss_children_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * to_gb}
 
 
 def _write_eval(prefix: Path, summary: dict[str, Any], trajectories: Sequence[Trajectory]) -> None:
