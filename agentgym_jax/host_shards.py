@@ -60,13 +60,13 @@ def summary(trajectory: Trajectory) -> Trajectory:
     return dataclasses.replace(trajectory, logprobs=[], turn_ids=[], messages=[], state_keys=[])
 
 
-def gather_summaries(trajectories: Sequence[Trajectory], what: str) -> list[Trajectory]:
-    """Every process's trajectories as :func:`summary` copies, in process order (the list itself with one
-    process)."""
+def gather_rollout(trajectories: Sequence[Trajectory], stats: RolloutStats) -> tuple[list[Trajectory], RolloutStats]:
+    """Every process's trajectories as :func:`summary` copies (in process order) and their
+    :func:`combine_stats`; the arguments themselves with one process."""
     if distributed.process_count() == 1:
-        return list(trajectories)
-    parts = distributed.allgather([summary(t) for t in trajectories], what)
-    return [t for part in parts for t in part]
+        return list(trajectories), stats
+    parts = distributed.allgather((stats, [summary(t) for t in trajectories]), "rollout summaries")
+    return [t for _, part in parts for t in part], combine_stats([part_stats for part_stats, _ in parts])
 
 
 def gather_all(trajectories: Sequence[Trajectory], what: str) -> list[Trajectory]:

@@ -265,6 +265,42 @@ class _Turns:
         trajectory.state_keys.append(state_key(outcome.info, outcome.observation))
         return [int(t) for t in closing.ids[len(sampled):]] + [int(t) for t in turn.ids] + self.prefix_ids
 
+    def play_round(self, state: Any, trajectories: Sequence[Trajectory], active: Sequence[int],
+                   row_of: dict[int, int], pending: dict[int, list[int]], cached: dict[int, int],
+                   episode_keys: jax.Array) -> tuple[Any, list[int]]:
+        """One turn for each episode in ``active`` (trajectory indices, each in its sampler row): sample, record,
+        step the environments, read their answers. ``pending`` is updated with each continuing episode's next
+        prompt (``cached[i]`` leading ids of it already in the row); returns the state and the episodes that
+        ended in this turn."""
+        c = self.config
+        rows: list[list[int] | None] = [None] * state.batch_size
+        params = [SamplingParams(c.temperature, c.top_p, c.top_k, 1)] * state.batch_size
+        episode_of_row = np.zeros((state.batch_size,), np.int32)
+        for i in active:
+            rows[row_of[i]] = pending[i][cached.pop(i, 0):]  # a shared prompt's prefix is in the cache already
+            params[row_of[i]] = self.params(trajectories[i], pending[i])
+            episode_of_row[row_of[i]] = i
+        state, result = self.generate(state, rows, params, episode_keys[episode_of_row],
+                                      np.array([trajectories[i].turns for i in episode_of_row], np.int32))
+        ended, actions = [], {}
+        for i in active:
+            row = row_of[i]
+            action = self.record(trajectories[i], pending.pop(i), result.tokens[row], result.logprobs[row],
+                                 result.stop_reasons[row])
+            if action is None:
+                ended.append(i)
+            else:
+                actions[trajectories[i].episode_id] = action
+        by_episode = {trajectories[i].episode_id: i for i in active}
+        for episode_id, outcome in self.step(actions).items():
+            i = by_episode[episode_id]
+            following = self.answer(trajectories[i], outcome, result.tokens[row_of[i]])
+            if following is None:
+                ended.append(i)
+            else:
+                pending[i] = following
+        return state, ended
+
     def finish(self, trajectories: Sequence[Trajectory]) -> None:
         for trajectory in trajectories:
             if not trajectory.end_reason:
@@ -287,28 +323,7 @@ def _play_lockstep(turns: _Turns, trajectories: list[Trajectory], episode_keys: 
         if len(active) < config.compact_below * state.batch_size and sampler.batch_bucket(len(active)) < state.batch_size:
             state = sampler.select_rows(state, [row_of[i] for i in active])
             row_of = {i: row for row, i in enumerate(active)}
-        rows: list[list[int] | None] = [None] * state.batch_size
-        params = [SamplingParams(config.temperature, config.top_p, config.top_k, 1)] * state.batch_size
-        episode_of_row = np.zeros((state.batch_size,), np.int32)
-        for i in active:
-            rows[row_of[i]] = pending[i][cached.pop(i, 0):]  # a shared prompt's prefix is in the cache already
-            params[row_of[i]] = turns.params(trajectories[i], pending[i])
-            episode_of_row[row_of[i]] = i
-        state, result = turns.generate(state, rows, params, episode_keys[episode_of_row],
-                                       np.array([trajectories[i].turns for i in episode_of_row], np.int32))
-        actions: dict[int, str] = {}
-        for i in active:
-            row = row_of[i]
-            action = turns.record(trajectories[i], pending.pop(i), result.tokens[row], result.logprobs[row],
-                                  result.stop_reasons[row])
-            if action is not None:
-                actions[trajectories[i].episode_id] = action
-        by_episode = {trajectories[i].episode_id: i for i in active}
-        for episode_id, outcome in turns.step(actions).items():
-            i = by_episode[episode_id]
-            following = turns.answer(trajectories[i], outcome, result.tokens[row_of[i]])
-            if following is not None:
-                pending[i] = following
+        state, _ = turns.play_round(state, trajectories, active, row_of, pending, cached, episode_keys)
         if progress is not None:
             finished = sum(1 for t in trajectories if t.end_reason)
             progress(round_index + 1, len(trajectories) - finished, finished)
@@ -344,33 +359,8 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
         ended = [i for i in row_of if not turns.fits(trajectories[i], pending[i])]
         active = [i for i in row_of if i not in ended]
         if active:
-            rows: list[list[int] | None] = [None] * state.batch_size
-            c = turns.config
-            params = [SamplingParams(c.temperature, c.top_p, c.top_k, 1)] * state.batch_size
-            episode_of_row = np.zeros((state.batch_size,), np.int32)
-            for i in active:
-                rows[row_of[i]] = pending[i][cached.pop(i, 0):]
-                params[row_of[i]] = turns.params(trajectories[i], pending[i])
-                episode_of_row[row_of[i]] = i
-            state, result = turns.generate(state, rows, params, episode_keys[episode_of_row],
-                                           np.array([trajectories[i].turns for i in episode_of_row], np.int32))
-            actions: dict[int, str] = {}
-            for i in active:
-                row = row_of[i]
-                action = turns.record(trajectories[i], pending.pop(i), result.tokens[row], result.logprobs[row],
-                                      result.stop_reasons[row])
-                if action is None:
-                    ended.append(i)
-                else:
-                    actions[trajectories[i].episode_id] = action
-            by_episode = {trajectories[i].episode_id: i for i in active}
-            for episode_id, outcome in turns.step(actions).items():
-                i = by_episode[episode_id]
-                following = turns.answer(trajectories[i], outcome, result.tokens[row_of[i]])
-                if following is None:
-                    ended.append(i)
-                else:
-                    pending[i] = following
+            state, finished_now = turns.play_round(state, trajectories, active, row_of, pending, cached, episode_keys)
+            ended += finished_now
         for i in ended:  # free the row for the next queued episode, and the environment's episode
             free_rows.append(row_of.pop(i))
             pending.pop(i, None)

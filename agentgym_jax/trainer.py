@@ -247,10 +247,7 @@ class Trainer:
             metrics["train/skipped_no_signal"] = 1.0
         t_train = time.perf_counter()
         local_trajectories = trajectories
-        if self.processes > 1:  # metrics describe every process's episodes; the step waited for the slowest
-            parts = distributed.allgather((stats, [host_shards.summary(t) for t in trajectories]), "rollout summaries")
-            trajectories = [t for _, part in parts for t in part]
-            stats = host_shards.combine_stats([part_stats for part_stats, _ in parts])
+        trajectories, stats = host_shards.gather_rollout(trajectories, stats)  # metrics cover every process
         metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
         metrics.update(self._rollout_metrics(trajectories, prefix="rollout"))
         metrics.update(rollout_diagnostics(trajectories))
