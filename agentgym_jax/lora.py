@@ -64,13 +64,20 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
-        y = jnp.dot(x, self.kernel[...].astype(self.dtype))
+        y = _dot(x, self.kernel[...].astype(self.dtype))
         if self.lora_a is not None:
-            low = jnp.dot(x, self.lora_a[...].astype(self.dtype))
-            y = y + jnp.dot(low, self.lora_b[...].astype(self.dtype)) * jnp.asarray(self.scale, self.dtype)
+            low = _dot(x, self.lora_a[...].astype(self.dtype))
+            y = y + _dot(low, self.lora_b[...].astype(self.dtype)) * jnp.asarray(self.scale, self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+def _dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x @ kernel`` accumulated in fp32, in ``x``'s dtype. Asking for the fp32 result is what lets XLA's CPU
+    backend use its native bf16 kernels (a bf16-output dot is computed by upcasting both sides); elsewhere it is
+    what the hardware does anyway."""
+    return jnp.dot(x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def is_adapter_path(path: str) -> bool:

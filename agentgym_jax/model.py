@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from agentgym_jax import sharding
+from agentgym_jax import attention, sharding
+from agentgym_jax.attention import Segments
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.lora import Linear, check_lora
 
@@ -224,63 +225,45 @@ def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates ``x`` [B, S, heads, H] by ``positions`` [B, S] (HF's rotate-half layout)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, S, H/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
-
-
-# ----------------------------------------------------------------------------------------------- packed rows
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """Who may attend to whom in a packed row ([B, S] each): a token sees an earlier token of its own block only
-    when that token is on branch 0 (the block's shared prefix) or on the token's own branch."""
-
-    blocks: jax.Array  # block id within the row; padding has its own id
-    branches: jax.Array  # 0: the block's shared prefix; k > 0: one trajectory's own tokens
-
-    def allowed(self) -> jax.Array:
-        """[B, S, S] bool: query s may read key t (causality is applied separately)."""
-        same_block = self.blocks[:, :, None] == self.blocks[:, None, :]
-        branch_q, branch_k = self.branches[:, :, None], self.branches[:, None, :]
-        return same_block & ((branch_k == 0) | (branch_k == branch_q))
-
-
 # ----------------------------------------------------------------------------------------------- KV cache
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer keys/values [B, T, K, H] and each row's filled length [B] (its next write slot)."""
+    """Per-layer keys/values [B, K, T, H] of ``dtype`` and each row's filled length [B] (its next write slot).
+
+    Heads before slots: a decode step reads each (row, head)'s slots contiguously; slots before heads made XLA
+    transpose every layer's whole cache on every step. The entries are held as raw bits (unsigned integers of
+    the dtype's width, :func:`attention.to_bits`): XLA's CPU backend has no bf16 scatter and converted the whole
+    cache to fp32 and back on every write, while reading bits back into floats fuses into the attention."""
 
     keys: list[jax.Array]
     values: list[jax.Array]
     lengths: jax.Array
+    dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> "KVCache":
         """An empty cache of ``length`` slots per row, in ``dtype`` (default: the compute dtype)."""
         dtype = to_dtype(dtype or config.dtype)
-        shape = (batch, length, config.num_key_value_heads, config.head_dim)
-        zeros = lambda: sharding.constrain(jnp.zeros(shape, dtype), "kv_cache")
+        shape = (batch, config.num_key_value_heads, length, config.head_dim)
+        zeros = lambda: sharding.constrain(jnp.zeros(shape, attention.bits_dtype(dtype)), "kv_cache")
         return cls(
             keys=[zeros() for _ in range(config.num_hidden_layers)],
             values=[zeros() for _ in range(config.num_hidden_layers)],
             lengths=jnp.zeros((batch,), jnp.int32),
+            dtype=dtype,
         )
+
+    def layer(self, i: int) -> attention.LayerCache:
+        """Layer ``i``'s entries."""
+        return attention.LayerCache(self.keys[i], self.values[i], self.dtype)
 
     @property
     def capacity(self) -> int:
         """Slots per row."""
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
     @staticmethod
     def nbytes(config: ModelConfig, batch: int, length: int, dtype: Any = None) -> int:
@@ -318,7 +301,8 @@ class Embedding(nnx.Module):
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         """Logits of a tied head: ``hidden @ weight.T``."""
-        return jnp.einsum("bsd,vd->bsv", hidden, self.weight[...].astype(self.dtype))
+        return jnp.einsum("bsd,vd->bsv", hidden, self.weight[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
 
 
 def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rngs, name: str = "") -> Linear:
@@ -347,7 +331,7 @@ class Attention(nnx.Module):
         x: jax.Array,
         positions: jax.Array,
         inv_freq: jax.Array,
-        layer_cache: tuple[jax.Array, jax.Array] | None,
+        layer_cache: attention.LayerCache | None,
         cache_lengths: jax.Array | None,
         segments: Segments | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
@@ -357,29 +341,28 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = sharding.constrain(apply_rope(q, positions, inv_freq), "heads")
-        k = sharding.constrain(apply_rope(k, positions, inv_freq), "heads")
+        q = sharding.constrain(attention.apply_rope(q, positions, inv_freq), "heads")
+        k = sharding.constrain(attention.apply_rope(k, positions, inv_freq), "heads")
         v = sharding.constrain(v, "heads")
         query_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if layer_cache is not None:
             query_slots = query_slots + cache_lengths[:, None]
-            rows = jnp.arange(b)[:, None]
-            # Scatter each row's new entries at its own slots; slots past the end are dropped, never clamped.
-            k_all = layer_cache[0].at[rows, query_slots].set(k.astype(layer_cache[0].dtype), mode="drop")
-            v_all = layer_cache[1].at[rows, query_slots].set(v.astype(layer_cache[1].dtype), mode="drop")
-            k_all, v_all = sharding.constrain(k_all, "kv_cache"), sharding.constrain(v_all, "kv_cache")
-            layer_cache = (k_all, v_all)
-            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        key_slots = jnp.arange(k.shape[1], dtype=jnp.int32)
+            write = lambda raw, new: sharding.constrain(
+                attention.write_slots(raw, query_slots, new, layer_cache.dtype), "kv_cache")
+            k_all, v_all = write(layer_cache.keys, k), write(layer_cache.values, v)
+            layer_cache = layer_cache._replace(keys=k_all, values=v_all)
+            k = attention.from_bits(k_all, layer_cache.dtype).astype(q.dtype)
+            v = attention.from_bits(v_all, layer_cache.dtype).astype(q.dtype)
+        else:
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H], the cache's layout
+        key_slots = jnp.arange(k.shape[2], dtype=jnp.int32)
         allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
         if segments is not None:  # teacher-forced packed rows (no cache): S == T
             allowed = allowed & segments.allowed()
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(b, s, self.num_kv_heads, group, self.head_dim)
-        scores = jnp.einsum("bskgh,btkh->bkgst", q, k).astype(jnp.float32) / math.sqrt(self.head_dim)
-        scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgst,btkh->bskgh", probs, v).reshape(b, s, self.num_heads * self.head_dim)
+        attend = attention.attend_one_query if s == 1 else attention.attend
+        out = attend(q, k, v, allowed, 1.0 / math.sqrt(self.head_dim)).reshape(b, s, self.num_heads * self.head_dim)
         return self.o_proj(out), layer_cache
 
 
@@ -460,7 +443,7 @@ class DecoderLM(nnx.Module):
         x = sharding.constrain(self.model.embed_tokens(tokens), "hidden")
         new_keys, new_values = [], []
         for i, layer in enumerate(self.model.layers):
-            layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+            layer_cache = None if cache is None else cache.layer(i)
             lengths = None if cache is None else cache.lengths
             if self.config.remat and cache is None:
                 # Functional remat over the layer's state: its arrays may come from several traces (LoRA: the
@@ -473,10 +456,10 @@ class DecoderLM(nnx.Module):
             if i + 1 == self.config.frozen_layers:  # no backward pass below this point
                 x = jax.lax.stop_gradient(x)
             if layer_cache is not None:
-                new_keys.append(layer_cache[0])
-                new_values.append(layer_cache[1])
+                new_keys.append(layer_cache.keys)
+                new_values.append(layer_cache.values)
         hidden = self.model.norm(x)
-        new_cache = None if cache is None else KVCache(new_keys, new_values, cache.lengths)
+        new_cache = None if cache is None else dataclasses.replace(cache, keys=new_keys, values=new_values)
         return hidden, new_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -141,7 +141,8 @@ def _generate_program(
     full_cache = cache
     if window < capacity:
         # Attend over the first `window` slots only; the host chose it so no row can pass it in this call.
-        cache = KVCache([k[:, :window] for k in cache.keys], [v[:, :window] for v in cache.values], cache.lengths)
+        cache = dataclasses.replace(cache, keys=[k[:, :, :window] for k in cache.keys],
+                                    values=[v[:, :, :window] for v in cache.values])
 
     # Prefill: write the new tokens, then read the logits at each row's last new token.
     hidden, cache = model.forward(new_tokens, cache=cache)
@@ -196,11 +197,10 @@ def _generate_program(
     out = jax.lax.while_loop(cond, body, carry)
     cache = out["cache"]
     if window < capacity:
-        write_back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=1)
-        cache = KVCache(
-            [write_back(k, part) for k, part in zip(full_cache.keys, cache.keys)],
-            [write_back(v, part) for v, part in zip(full_cache.values, cache.values)],
-            cache.lengths,
+        write_back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=2)
+        cache = dataclasses.replace(
+            cache, keys=[write_back(k, part) for k, part in zip(full_cache.keys, cache.keys)],
+            values=[write_back(v, part) for v, part in zip(full_cache.values, cache.values)],
         )
     return cache, out["tokens"], out["logprobs"], out["count"], out["reason"]
 
@@ -434,9 +434,9 @@ class Sampler:
 @partial(jax.jit, donate_argnames=("cache",))
 def _copy_row_program(source: KVCache, row: jax.Array, cache: KVCache, into: jax.Array) -> KVCache:
     put = lambda whole, part: jnp.where(into[:, None, None, None], part[row][None], whole)
-    return KVCache(keys=[put(k, s) for k, s in zip(cache.keys, source.keys)],
-                   values=[put(v, s) for v, s in zip(cache.values, source.values)],
-                   lengths=jnp.where(into, source.lengths[row], cache.lengths))
+    return dataclasses.replace(cache, keys=[put(k, s) for k, s in zip(cache.keys, source.keys)],
+                               values=[put(v, s) for v, s in zip(cache.values, source.values)],
+                               lengths=jnp.where(into, source.lengths[row], cache.lengths))
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -453,7 +453,7 @@ def _empty_cache_program(config: Any, batch: int, length: int, dtype: Any) -> KV
 @jax.jit
 def _select_rows_program(cache: KVCache, index: jax.Array, keep: jax.Array) -> KVCache:
     take = lambda x: sharding.constrain(jnp.take(x, index, axis=0), "kv_cache")
-    return KVCache(
-        keys=[take(k) for k in cache.keys], values=[take(v) for v in cache.values],
+    return dataclasses.replace(
+        cache, keys=[take(k) for k in cache.keys], values=[take(v) for v in cache.values],
         lengths=jnp.where(keep, jnp.take(cache.lengths, index), 0),
     )

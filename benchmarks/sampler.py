@@ -77,15 +77,24 @@ def _torch_run(model: Any, prompts: list[list[int]], n: int) -> float:
 
 
 def matmul_paths() -> dict[str, Any]:
-    """Which kernels a bf16 matmul uses: XLA's optimized HLO, torch's oneDNN (mkldnn) support."""
+    """Which kernels a bf16 matmul uses: XLA's optimized HLO with a bf16 result and with the fp32 result our
+    layers ask for (``preferred_element_type``), torch's oneDNN (mkldnn) support."""
     a = jnp.ones((64, 576), jnp.bfloat16)
     b = jnp.ones((576, 1536), jnp.bfloat16)
-    hlo = jax.jit(lambda x, y: x @ y).lower(a, b).compile().as_text()
-    dot_lines = [line.strip() for line in hlo.splitlines() if " dot(" in line or "custom-call" in line]
+
+    def dots(fn: Any) -> list[str]:
+        hlo = fn.lower(a, b).compile().as_text()
+        return [line.strip() for line in hlo.splitlines() if " dot(" in line or "custom-call" in line
+                or "convert(" in line]
+
+    bf16_result = dots(jax.jit(lambda x, y: x @ y))
+    f32_result = dots(jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)))
+    upcast = lambda lines: any("convert(" in line and "f32" in line.split("=")[1][:12] for line in lines)
     return {
-        "xla_bf16_dot_hlo": dot_lines[:4],
-        "xla_bf16_dot_upcast_to_f32": any("f32" in line and "dot(" in line for line in dot_lines),
-        "xla_onednn_custom_call": "onednn" in hlo.lower(),
+        "xla_bf16_result_hlo": bf16_result[:4],
+        "xla_bf16_result_upcasts_operands": upcast(bf16_result),
+        "xla_f32_result_hlo": f32_result[:4],
+        "xla_f32_result_upcasts_operands": upcast(f32_result),
         "torch_mkldnn_available": bool(torch.backends.mkldnn.is_available()),
         "torch_mkldnn_bf16_supported": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "torch_threads": torch.get_num_threads(),
@@ -125,12 +134,13 @@ def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: f
             ours_runs=ours_s, torch_runs=torch_s,
         )
         row["ratio"] = row["ours_tokens_per_s"] / row["torch_tokens_per_s"]
-        if batch == 8:  # decode step time from a prefill-only run, beside the bandwidth bound
-            _ours_run(sampler, prompts, 1)
-            prefill = common.median([_ours_run(sampler, prompts, 1) for _ in range(2)])
-            step_ms = 1000 * (row["ours_seconds"] - prefill) / (NEW_TOKENS - 1)
-            row.update(ours_prefill_seconds=prefill, ours_decode_step_ms=step_ms,
-                       **decode_bound(ours[dtype].config, dtype, batch, PROMPT_TOKENS + NEW_TOKENS / 2, bandwidth))
+        # decode step time from a prefill-only run, beside the bandwidth bound
+        _ours_run(sampler, prompts, 1)
+        prefill = common.median([_ours_run(sampler, prompts, 1) for _ in range(2)])
+        step_ms = 1000 * (row["ours_seconds"] - prefill) / (NEW_TOKENS - 1)
+        row.update(ours_prefill_seconds=prefill, ours_decode_step_ms=step_ms,
+                   **decode_bound(ours[dtype].config, dtype, batch, PROMPT_TOKENS + NEW_TOKENS / 2, bandwidth))
+        row["decode_vs_bound"] = step_ms / row["bound_step_ms"]
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("runs")},
               flush=True)
         rows.append(row)
@@ -205,6 +215,7 @@ def main(argv: Sequence[str]) -> None:
     payload = dict(
         ratio_b8=best_ratio(8), ratio_b32=best_ratio(32), multiturn_ratio=multiturn["ratio"],
         ratio_b1=best_ratio(1),
+        decode_vs_bound={f"b{r['batch']}_{r['dtype']}": r["decode_vs_bound"] for r in table},
         definition=("tokens/s = batch x 64 generated tokens / wall seconds of one generate call (prefill of the "
                     "~200-token prompts included, greedy, no early stop); ratios use each side's best dtype; "
                     "multiturn_ratio = re-prefill seconds / extend seconds"),

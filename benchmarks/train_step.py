@@ -31,15 +31,25 @@ import numpy as np
 from benchmarks.common import cpu_facts, median, peak_rss_mib, write_json
 
 BATCH, SEQ_LEN = 8, 512
+PROMPT_TOKENS, TURNS, AGENT_TOKENS, OBS_TOKENS = 128, 4, 32, 64
 DTYPES = ("float32", "bfloat16")
 SEED = 0
+
+
+def agent_mask() -> np.ndarray:
+    """A multi-turn episode's loss mask: a 128-token prompt, then 4 turns of 32 agent tokens (1) and a 64-token
+    observation (0): 25% agent tokens, as in the BabyAI/TextCraft rollouts."""
+    row = np.zeros((SEQ_LEN,), np.float32)
+    for turn in range(TURNS):
+        start = PROMPT_TOKENS + turn * (AGENT_TOKENS + OBS_TOKENS)
+        row[start:start + AGENT_TOKENS] = 1.0
+    return np.repeat(row[None], BATCH, 0)
 
 
 def _batch_arrays(vocab: int) -> dict[str, np.ndarray]:
     rs = np.random.RandomState(SEED)
     tokens = rs.randint(0, vocab, (BATCH, SEQ_LEN)).astype(np.int32)
-    mask = np.ones((BATCH, SEQ_LEN), np.float32)
-    mask[:, 0] = 0.0
+    mask = agent_mask()
     old_logp = np.where(mask > 0, -np.log(vocab) + 0.1 * rs.randn(BATCH, SEQ_LEN), 0.0).astype(np.float32)
     scores = rs.rand(BATCH).astype(np.float32)
     groups = np.repeat(np.arange(BATCH // 4), 4).astype(np.int32)
@@ -138,7 +148,8 @@ def run_matmul(size: int, repeats: int = 5) -> dict[str, Any]:
     for dtype in DTYPES:
         a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32).astype(dtype)
         b = jax.random.normal(jax.random.PRNGKey(1), (size, size), jnp.float32).astype(dtype)
-        matmul = jax.jit(lambda x, y: x @ y)
+        # fp32 accumulation, as our layers ask for it (XLA's CPU backend then runs bf16 natively)
+        matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
         matmul(a, b).block_until_ready()
         times = []
         for _ in range(repeats):
@@ -273,7 +284,8 @@ def main() -> None:
         per_dtype=per_dtype,
         matmul=matmul,
         model="SmolLM2-135M-Instruct (dequantized Q4_1 GGUF, fp32)",
-        batch=dict(rows=BATCH, seq_len=SEQ_LEN, agent_tokens_per_row=SEQ_LEN - 1),
+        batch=dict(rows=BATCH, seq_len=SEQ_LEN, agent_tokens_per_row=int(agent_mask()[0].sum()),
+                   layout=f"{PROMPT_TOKENS}-token prompt, {TURNS} x ({AGENT_TOKENS} agent + {OBS_TOKENS} observation)"),
         model_flops_per_step=flops,
         ours_options=options,
         timed_steps=args.steps,
