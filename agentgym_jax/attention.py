@@ -1,4 +1,5 @@
-"""Attention math of the decoder: RoPE, packed-row segments, and softmax attention over a [B, K, T, H] cache.
+"""Attention math of the decoder: RoPE, packed-row segments, and softmax attention over the cache's layouts
+(keys [B, K, H, T], values [B, K, T, H]).
 
 Two kernels compute the same thing: :func:`attend` (batched dots, any number of queries) and
 :func:`attend_one_query` (fused multiply-reduces, one query per row: the decode step).
@@ -40,7 +41,7 @@ class Segments:
 
 
 class LayerCache(NamedTuple):
-    """One layer's cache entries [B, K, T, H], held as raw bits of ``dtype`` (see :func:`to_bits`)."""
+    """One layer's cache entries (keys [B, K, H, T], values [B, K, T, H]), held as raw bits of ``dtype``."""
 
     keys: jax.Array
     values: jax.Array
@@ -62,17 +63,19 @@ def from_bits(raw: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(raw, dtype)
 
 
-def write_slots(raw: jax.Array, slots: jax.Array, new: jax.Array, dtype: Any) -> jax.Array:
-    """The raw cache ``raw`` [B, K, T, H] of ``dtype`` with row b's ``new`` [B, S, K, H] entries written at
-    ``slots`` [B, S]; slots past the end are dropped, never clamped."""
+def write_slots(raw: jax.Array, slots: jax.Array, new: jax.Array, dtype: Any, axis: int) -> jax.Array:
+    """The raw cache ``raw`` [B, K, ., .] of ``dtype``, slots on ``axis`` (2 or 3), with row b's ``new``
+    [B, S, K, H] entries written at ``slots`` [B, S]; slots past the end are dropped, never clamped."""
     rows = jnp.arange(raw.shape[0])[:, None]
-    # Index arrays around a slice put their dimensions first: the update is [B, S, K, H].
-    return raw.at[rows, :, slots].set(to_bits(new.astype(dtype)), mode="drop")
+    # Index arrays around slices put their dimensions first: the update is [B, S, K, H] for either axis.
+    index = (rows, slice(None), slots) if axis == 2 else (rows, slice(None), slice(None), slots)
+    return raw.at[index].set(to_bits(new.astype(dtype)), mode="drop")
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
-    """Softmax attention of q [B, S, K, G, H] over k, v [B, K, T, H] where ``allowed`` [B, S, T]; [B, S, K, G, H]."""
-    scores = jnp.einsum("bskgh,bkth->bkgst", q, k).astype(jnp.float32) * scale
+    """Softmax attention of q [B, S, K, G, H] over keys k [B, K, H, T] and values v [B, K, T, H] where
+    ``allowed`` [B, S, T]; [B, S, K, G, H]."""
+    scores = jnp.einsum("bskgh,bkht->bkgst", q, k).astype(jnp.float32) * scale
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgst,bkth->bskgh", probs, v)
@@ -81,11 +84,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: 
 def attend_one_query(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
     """:func:`attend` for one query per row (a decode step), as fused multiply-reduces in fp32.
 
-    A decode step reads the whole cache for a few flops per element; XLA's CPU backend runs the two batched dots
-    of :func:`attend` several times slower than the memory allows (24 tiny matrices), while an elementwise
-    product and a reduction read each cache element once, also in bf16 without a converted copy."""
+    A decode step reads the whole cache for a few flops per element. XLA's CPU backend ran the batched dots of
+    :func:`attend` (B x K tiny matrices) 3-10x slower than memory allows; these two products reduce over the
+    cache's non-minor axis (H of the keys, T of the values), vectorized along the minor one, and read each entry
+    once, in bf16 too without a converted copy."""
     f32 = jnp.float32
-    scores = (q[:, 0, :, :, None, :].astype(f32) * k[:, :, None].astype(f32)).sum(-1) * scale  # [B, K, G, T]
+    scores = (q[:, 0, :, :, :, None].astype(f32) * k[:, :, None].astype(f32)).sum(-2) * scale  # [B, K, G, T]
     scores = jnp.where(allowed[:, None], scores, jnp.finfo(f32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     out = (probs[..., None] * v[:, :, None].astype(f32)).sum(-2)  # [B, K, G, H]

@@ -231,12 +231,14 @@ def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer keys/values [B, K, T, H] of ``dtype`` and each row's filled length [B] (its next write slot).
+    """Per-layer keys [B, K, H, T] and values [B, K, T, H] of ``dtype``, and each row's filled length [B] (its
+    next write slot).
 
-    Heads before slots: a decode step reads each (row, head)'s slots contiguously; slots before heads made XLA
-    transpose every layer's whole cache on every step. The entries are held as raw bits (unsigned integers of
-    the dtype's width, :func:`attention.to_bits`): XLA's CPU backend has no bf16 scatter and converted the whole
-    cache to fp32 and back on every write, while reading bits back into floats fuses into the attention."""
+    The layouts are the decode step's (:func:`attention.attend_one_query`): both of its reductions then run over
+    a non-minor axis with the minor one vectorized, and each (row, head) is read contiguously. Slots before heads
+    made XLA transpose every layer's whole cache on every step. The entries are held as raw bits (unsigned
+    integers of the dtype's width, :func:`attention.to_bits`): XLA's CPU backend has no bf16 scatter and converted
+    the whole cache to fp32 and back on every write, while reading bits back as floats fuses into the attention."""
 
     keys: list[jax.Array]
     values: list[jax.Array]
@@ -247,11 +249,11 @@ class KVCache:
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> "KVCache":
         """An empty cache of ``length`` slots per row, in ``dtype`` (default: the compute dtype)."""
         dtype = to_dtype(dtype or config.dtype)
-        shape = (batch, config.num_key_value_heads, length, config.head_dim)
-        zeros = lambda: sharding.constrain(jnp.zeros(shape, attention.bits_dtype(dtype)), "kv_cache")
+        heads, head_dim, bits = config.num_key_value_heads, config.head_dim, attention.bits_dtype(dtype)
+        zeros = lambda *shape: sharding.constrain(jnp.zeros((batch, heads, *shape), bits), "kv_cache")
         return cls(
-            keys=[zeros() for _ in range(config.num_hidden_layers)],
-            values=[zeros() for _ in range(config.num_hidden_layers)],
+            keys=[zeros(head_dim, length) for _ in range(config.num_hidden_layers)],
+            values=[zeros(length, head_dim) for _ in range(config.num_hidden_layers)],
             lengths=jnp.zeros((batch,), jnp.int32),
             dtype=dtype,
         )
@@ -263,7 +265,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """Slots per row."""
-        return self.keys[0].shape[2]
+        return self.values[0].shape[2]
 
     @staticmethod
     def nbytes(config: ModelConfig, batch: int, length: int, dtype: Any = None) -> int:
@@ -347,15 +349,15 @@ class Attention(nnx.Module):
         query_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if layer_cache is not None:
             query_slots = query_slots + cache_lengths[:, None]
-            write = lambda raw, new: sharding.constrain(
-                attention.write_slots(raw, query_slots, new, layer_cache.dtype), "kv_cache")
-            k_all, v_all = write(layer_cache.keys, k), write(layer_cache.values, v)
+            write = lambda raw, new, axis: sharding.constrain(
+                attention.write_slots(raw, query_slots, new, layer_cache.dtype, axis), "kv_cache")
+            k_all, v_all = write(layer_cache.keys, k, 3), write(layer_cache.values, v, 2)
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
             k = attention.from_bits(k_all, layer_cache.dtype).astype(q.dtype)
             v = attention.from_bits(v_all, layer_cache.dtype).astype(q.dtype)
         else:
-            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H], the cache's layout
-        key_slots = jnp.arange(k.shape[2], dtype=jnp.int32)
+            k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache's layouts
+        key_slots = jnp.arange(v.shape[2], dtype=jnp.int32)
         allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
         if segments is not None:  # teacher-forced packed rows (no cache): S == T
             allowed = allowed & segments.allowed()

@@ -141,7 +141,7 @@ def _generate_program(
     full_cache = cache
     if window < capacity:
         # Attend over the first `window` slots only; the host chose it so no row can pass it in this call.
-        cache = dataclasses.replace(cache, keys=[k[:, :, :window] for k in cache.keys],
+        cache = dataclasses.replace(cache, keys=[k[..., :window] for k in cache.keys],
                                     values=[v[:, :, :window] for v in cache.values])
 
     # Prefill: write the new tokens, then read the logits at each row's last new token.
@@ -197,10 +197,10 @@ def _generate_program(
     out = jax.lax.while_loop(cond, body, carry)
     cache = out["cache"]
     if window < capacity:
-        write_back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=2)
+        write_back = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=axis)
         cache = dataclasses.replace(
-            cache, keys=[write_back(k, part) for k, part in zip(full_cache.keys, cache.keys)],
-            values=[write_back(v, part) for v, part in zip(full_cache.values, cache.values)],
+            cache, keys=[write_back(k, part, 3) for k, part in zip(full_cache.keys, cache.keys)],
+            values=[write_back(v, part, 2) for v, part in zip(full_cache.values, cache.values)],
         )
     return cache, out["tokens"], out["logprobs"], out["count"], out["reason"]
 

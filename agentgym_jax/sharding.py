@@ -35,7 +35,7 @@ ACTIVATIONS: dict[str, P] = {
     "heads": P(BATCH, None, "tensor", None),  # [B, S, N, H]
     "mlp": P(BATCH, None, "tensor"),  # [B, S, F]
     "logits": P(BATCH, None, "tensor"),  # [B, S, V]
-    "kv_cache": P(BATCH, "tensor", None, None),  # [B, K, T, H]
+    "kv_cache": P(BATCH, "tensor", None, None),  # keys [B, K, H, T], values [B, K, T, H]
     "tokens": P(BATCH, None),  # [B, S]
     "rows": P(BATCH),  # [B]
 }
