@@ -41,35 +41,41 @@ class Segments:
 
 
 class LayerCache(NamedTuple):
-    """One layer's cache entries (keys [B, K, H, T], values [B, K, T, H]), held as raw bits of ``dtype``."""
+    """One layer's cache entries (keys [B, K, H, T], values [B, K, T, H]) of ``dtype``, held as
+    :func:`storage_dtype` says."""
 
     keys: jax.Array
     values: jax.Array
     dtype: Any
 
 
-def bits_dtype(dtype: Any) -> Any:
-    """The unsigned integer type a float ``dtype``'s entries are held in (same width)."""
-    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+def storage_dtype(dtype: Any) -> Any:
+    """The type a cache of float ``dtype`` is held in. 16-bit floats are held as their raw bits (uint16): XLA's
+    CPU backend has no bf16 or f16 scatter, and converted the whole cache to fp32 and back on every write. Wider
+    floats are held as themselves: their scatter is native, and a bits-to-float conversion would be copied out
+    for the CPU's reduction kernels instead of fused."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 else dtype
 
 
-def to_bits(x: jax.Array) -> jax.Array:
-    """``x``'s raw bits. Cache writes (scatters) move bits: no dtype conversion is ever needed for them."""
-    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
+def to_storage(x: jax.Array) -> jax.Array:
+    """``x`` as the cache holds it (:func:`storage_dtype`)."""
+    stored = storage_dtype(x.dtype)
+    return x if stored == x.dtype else jax.lax.bitcast_convert_type(x, stored)
 
 
-def from_bits(raw: jax.Array, dtype: Any) -> jax.Array:
-    """The floats of ``dtype`` whose bits ``raw`` holds."""
-    return jax.lax.bitcast_convert_type(raw, dtype)
+def from_storage(raw: jax.Array, dtype: Any) -> jax.Array:
+    """The floats of ``dtype`` a cache holds in ``raw``."""
+    return raw if raw.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(raw, dtype)
 
 
 def write_slots(raw: jax.Array, slots: jax.Array, new: jax.Array, dtype: Any, axis: int) -> jax.Array:
-    """The raw cache ``raw`` [B, K, ., .] of ``dtype``, slots on ``axis`` (2 or 3), with row b's ``new``
+    """The stored cache ``raw`` [B, K, ., .] of ``dtype``, slots on ``axis`` (2 or 3), with row b's ``new``
     [B, S, K, H] entries written at ``slots`` [B, S]; slots past the end are dropped, never clamped."""
     rows = jnp.arange(raw.shape[0])[:, None]
     # Index arrays around slices put their dimensions first: the update is [B, S, K, H] for either axis.
     index = (rows, slice(None), slots) if axis == 2 else (rows, slice(None), slice(None), slots)
-    return raw.at[index].set(to_bits(new.astype(dtype)), mode="drop")
+    return raw.at[index].set(to_storage(new.astype(dtype)), mode="drop")
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:

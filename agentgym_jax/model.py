@@ -236,9 +236,8 @@ class KVCache:
 
     The layouts are the decode step's (:func:`attention.attend_one_query`): both of its reductions then run over
     a non-minor axis with the minor one vectorized, and each (row, head) is read contiguously. Slots before heads
-    made XLA transpose every layer's whole cache on every step. The entries are held as raw bits (unsigned
-    integers of the dtype's width, :func:`attention.to_bits`): XLA's CPU backend has no bf16 scatter and converted
-    the whole cache to fp32 and back on every write, while reading bits back as floats fuses into the attention."""
+    made XLA transpose every layer's whole cache on every step. 16-bit entries are held as raw bits
+    (:func:`attention.storage_dtype`)."""
 
     keys: list[jax.Array]
     values: list[jax.Array]
@@ -249,7 +248,7 @@ class KVCache:
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> "KVCache":
         """An empty cache of ``length`` slots per row, in ``dtype`` (default: the compute dtype)."""
         dtype = to_dtype(dtype or config.dtype)
-        heads, head_dim, bits = config.num_key_value_heads, config.head_dim, attention.bits_dtype(dtype)
+        heads, head_dim, bits = config.num_key_value_heads, config.head_dim, attention.storage_dtype(dtype)
         zeros = lambda *shape: sharding.constrain(jnp.zeros((batch, heads, *shape), bits), "kv_cache")
         return cls(
             keys=[zeros(head_dim, length) for _ in range(config.num_hidden_layers)],
@@ -353,8 +352,8 @@ class Attention(nnx.Module):
                 attention.write_slots(raw, query_slots, new, layer_cache.dtype, axis), "kv_cache")
             k_all, v_all = write(layer_cache.keys, k, 3), write(layer_cache.values, v, 2)
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
-            k = attention.from_bits(k_all, layer_cache.dtype).astype(q.dtype)
-            v = attention.from_bits(v_all, layer_cache.dtype).astype(q.dtype)
+            k = attention.from_storage(k_all, layer_cache.dtype).astype(q.dtype)
+            v = attention.from_storage(v_all, layer_cache.dtype).astype(q.dtype)
         else:
             k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache's layouts
         key_slots = jnp.arange(v.shape[2], dtype=jnp.int32)

@@ -30,14 +30,58 @@ def test_one_query_kernel_equals_the_batched_dots(dtype, atol):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_write_slots_moves_exact_values_and_drops_past_the_end(dtype, axis):
     shape = (2, 2, 4, 3) if axis == 2 else (2, 2, 3, 4)  # values [B, K, T, H] or keys [B, K, H, T]
-    raw = jnp.zeros(shape, attention.bits_dtype(dtype))
+    raw = jnp.zeros(shape, attention.storage_dtype(dtype))
     new = (jnp.arange(2 * 3 * 2 * 3, dtype=jnp.float32).reshape(2, 3, 2, 3) / 7).astype(dtype)  # [B, S, K, H]
     slots = jnp.asarray([[1, 2, 3], [3, 4, 5]])  # row 1: slots 4 and 5 do not exist
-    out = np.asarray(attention.from_bits(attention.write_slots(raw, slots, new, dtype, axis), dtype), np.float32)
+    out = np.asarray(attention.from_storage(attention.write_slots(raw, slots, new, dtype, axis), dtype), np.float32)
     if axis == 3:
         out = out.transpose(0, 1, 3, 2)
     expected = np.zeros((2, 2, 4, 3), np.float32)
     expected[0, :, 1:4] = np.asarray(new[0], np.float32).transpose(1, 0, 2)
     expected[1, :, 3] = np.asarray(new[1, 0], np.float32)
     np.testing.assert_array_equal(out, expected)
-    assert attention.bits_dtype(dtype).itemsize == jnp.dtype(dtype).itemsize
+    assert attention.storage_dtype(dtype) == (jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype):
+    """What XLA emits for one decode step, counted: per layer, the in-place writes (scatters) of keys and values
+    and, for bf16, one read of each into fp32. A layout the attention cannot read in place, or a scatter XLA
+    cannot run in the cache's own type, shows up here as more cache-sized copies, transposes or converts."""
+    import re
+
+    from flax import nnx
+
+    from agentgym_jax.model import DecoderLM, KVCache, ModelConfig
+
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         param_dtype=dtype, dtype=dtype)
+    graphdef, state = nnx.split(DecoderLM(config, nnx.Rngs(0)))
+
+    def step(state, cache, token):
+        hidden, cache = nnx.merge(graphdef, state).forward(token[:, None], cache=cache)
+        return hidden, cache
+
+    cache = KVCache.zeros(config, 4, 40)
+    hlo = jax.jit(step, donate_argnums=1).lower(state, cache, jnp.zeros((4,), jnp.int32)).compile().as_text()
+    cache_shapes = {"[4,2,8,40]", "[4,2,40,8]"}  # keys, values
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[: entry.index("\n}")]  # the step's own ops (fused computations are looked into below)
+    whole_cache_ops = [
+        (kind, shape) for shape, kind in re.findall(r"= \w+(\[[\d,]+\])\{[^}]*\} ([\w-]+)\(", entry)
+        if shape in cache_shapes
+    ]
+    kinds = {kind for kind, _ in whole_cache_ops}
+    assert kinds <= {"scatter", "fusion", "parameter", "bitcast"}, whole_cache_ops
+    fusions = re.findall(r"= \w+(\[[\d,]+\])\{[^}]*\} fusion\(.*?calls=(%[\w.-]+)", entry)
+    roots = []
+    for shape, called in fusions:
+        if shape in cache_shapes:
+            body = hlo[hlo.index("\n" + called + " "):]
+            body = body[: body.index("\n}")]
+            roots.append(re.search(r"ROOT %\S+ = \S+ ([\w-]+)\(", body).group(1))
+    # Each layer writes its keys and values in place. A bf16 cache is read once into fp32 for the CPU's
+    # reduction kernels (which take fp32 inputs); an fp32 cache is read where it lies.
+    reads = 4 if dtype == "bfloat16" else 0
+    assert sorted(roots) == sorted(["scatter"] * 4 + ["convert"] * reads), roots
