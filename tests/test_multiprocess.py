@@ -85,7 +85,9 @@ def _assert_same_params(got: Path, expected: Path) -> None:
     mine, theirs = load_file(str(got / "model.safetensors")), load_file(str(expected / "model.safetensors"))
     assert sorted(mine) == sorted(theirs)
     for name, value in theirs.items():
-        np.testing.assert_allclose(mine[name], value, atol=1e-5, rtol=0, err_msg=name)
+        # Reductions run in another order on 2 x 4 devices than on 1 x 8, and Adam amplifies that where a
+        # gradient is near zero: 2.0e-5 at most measured (the parameters move by more than 1e-3, checked below).
+        np.testing.assert_allclose(mine[name], value, atol=5e-5, rtol=0, err_msg=name)
 
 
 @pytest.fixture(scope="module")
