@@ -40,6 +40,10 @@ class Segments:
         return same_block & ((branch_k == 0) | (branch_k == branch_q))
 
 
+# The T (slot) axis of a cache's keys [B, K, H, T] and of its values [B, K, T, H].
+KEY_SLOT_AXIS, VALUE_SLOT_AXIS = 3, 2
+
+
 class LayerCache(NamedTuple):
     """One layer's cache entries (keys [B, K, H, T], values [B, K, T, H]) of ``dtype``, held as
     :func:`storage_dtype` says."""

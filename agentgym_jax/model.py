@@ -264,7 +264,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """Slots per row."""
-        return self.values[0].shape[2]
+        return self.values[0].shape[attention.VALUE_SLOT_AXIS]
 
     @staticmethod
     def nbytes(config: ModelConfig, batch: int, length: int, dtype: Any = None) -> int:
@@ -335,7 +335,7 @@ class Attention(nnx.Module):
         layer_cache: attention.LayerCache | None,
         cache_lengths: jax.Array | None,
         segments: Segments | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    ) -> tuple[jax.Array, attention.LayerCache | None]:
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -350,13 +350,14 @@ class Attention(nnx.Module):
             query_slots = query_slots + cache_lengths[:, None]
             write = lambda raw, new, axis: sharding.constrain(
                 attention.write_slots(raw, query_slots, new, layer_cache.dtype, axis), "kv_cache")
-            k_all, v_all = write(layer_cache.keys, k, 3), write(layer_cache.values, v, 2)
+            k_all = write(layer_cache.keys, k, attention.KEY_SLOT_AXIS)
+            v_all = write(layer_cache.values, v, attention.VALUE_SLOT_AXIS)
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
             k = attention.from_storage(k_all, layer_cache.dtype).astype(q.dtype)
             v = attention.from_storage(v_all, layer_cache.dtype).astype(q.dtype)
         else:
             k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache's layouts
-        key_slots = jnp.arange(v.shape[2], dtype=jnp.int32)
+        key_slots = jnp.arange(v.shape[attention.VALUE_SLOT_AXIS], dtype=jnp.int32)
         allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
         if segments is not None:  # teacher-forced packed rows (no cache): S == T
             allowed = allowed & segments.allowed()

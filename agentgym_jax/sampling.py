@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from agentgym_jax import compile_stats, sharding
+from agentgym_jax.attention import KEY_SLOT_AXIS, VALUE_SLOT_AXIS
 from agentgym_jax.buckets import bucket
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.model import DecoderLM, KVCache, to_dtype
@@ -152,8 +153,9 @@ def _generate_program(
     full_cache = cache
     if window < capacity:
         # Attend over the first `window` slots only; the host chose it so no row can pass it in this call.
-        cache = dataclasses.replace(cache, keys=[k[..., :window] for k in cache.keys],
-                                    values=[v[:, :, :window] for v in cache.values])
+        head = lambda x, axis: jax.lax.slice_in_dim(x, 0, window, axis=axis)
+        cache = dataclasses.replace(cache, keys=[head(k, KEY_SLOT_AXIS) for k in cache.keys],
+                                    values=[head(v, VALUE_SLOT_AXIS) for v in cache.values])
 
     # Prefill: write the new tokens, then read the logits at each row's last new token.
     hidden, cache = model.forward(new_tokens, cache=cache)
@@ -210,8 +212,8 @@ def _generate_program(
     if window < capacity:
         write_back = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=axis)
         cache = dataclasses.replace(
-            cache, keys=[write_back(k, part, 3) for k, part in zip(full_cache.keys, cache.keys)],
-            values=[write_back(v, part, 2) for v, part in zip(full_cache.values, cache.values)],
+            cache, keys=[write_back(k, part, KEY_SLOT_AXIS) for k, part in zip(full_cache.keys, cache.keys)],
+            values=[write_back(v, part, VALUE_SLOT_AXIS) for v, part in zip(full_cache.values, cache.values)],
         )
     return cache, out["tokens"], out["logprobs"], out["count"], out["reason"]
 
