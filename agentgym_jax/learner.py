@@ -288,14 +288,22 @@ class Learner:
     def _put_replicated(self, array: np.ndarray) -> Array:
         return jax.device_put(array, NamedSharding(self.mesh, P()))
 
-    def _minibatch_order(self, rng: jax.Array, valid_rows: np.ndarray, num_minibatches: int) -> list[np.ndarray]:
-        """Row indices of each minibatch: real rows shuffled and dealt round-robin, then padding rows."""
+    def _minibatch_order(self, rng: jax.Array, valid_rows: np.ndarray, group_ids: np.ndarray,
+                         num_minibatches: int) -> list[np.ndarray]:
+        """Row indices of each minibatch: real rows shuffled and dealt round-robin, then padding rows. With
+        ``group_minibatches`` the groups are shuffled instead and dealt whole, in order, ``len // num_minibatches``
+        rows per minibatch (a group larger than the room left spills into the next)."""
         seed = np.asarray(jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng)
         generator = np.random.default_rng(seed.astype(np.uint32).ravel().tolist())
-        real = np.flatnonzero(valid_rows)
-        padding = np.flatnonzero(~valid_rows)
-        order = np.concatenate([generator.permutation(real), generator.permutation(padding)])
-        return [np.sort(order[i::num_minibatches]) for i in range(num_minibatches)]
+        real, padding = np.flatnonzero(valid_rows), np.flatnonzero(~valid_rows)
+        if not self.config.group_minibatches:
+            order = np.concatenate([generator.permutation(real), generator.permutation(padding)])
+            return [np.sort(order[i::num_minibatches]) for i in range(num_minibatches)]
+        groups = np.unique(group_ids[real])
+        rank = dict(zip(groups.tolist(), generator.permutation(len(groups)).tolist()))
+        real = np.asarray(sorted(real.tolist(), key=lambda row: (rank[int(group_ids[row])], row)), np.int64)
+        order = np.concatenate([real, generator.permutation(padding)])
+        return [np.sort(part) for part in np.split(order, num_minibatches)]
 
     def _stack(self, prepared: TrainingBatch, index: np.ndarray, group_ids: np.ndarray, minibatch: int,
                micro: int) -> tuple[TrainingBatch, int]:
@@ -326,13 +334,16 @@ class Learner:
         # however many processes hold them
         real_rows = np.concatenate(distributed.allgather(prepared.loss_mask.any(axis=-1), "real rows"))
         group_ids = np.asarray(batch.group_ids)
+        global_groups = np.concatenate(distributed.allgather(group_ids, "group ids")) if self._processes > 1 \
+            else group_ids
         step_metrics = []
         positions = 0
         with sharding.use_mesh(self.mesh):
             full = prepared.map(lambda x: self._put(x, False)) if self._processes > 1 else None
             for epoch in range(self.config.ppo_epochs):
                 # packing changes how a minibatch is laid out, never which trajectories it holds
-                order = self._minibatch_order(jax.random.fold_in(rng, epoch), real_rows, num_minibatches)
+                order = self._minibatch_order(jax.random.fold_in(rng, epoch), real_rows, global_groups,
+                                              num_minibatches)
                 for index in order:
                     if full is not None:
                         stack = self._gather_minibatch(full, self._put_replicated(index), micro)

@@ -76,6 +76,9 @@ class LearnerConfig:
     # packed rows (agentgym_jax.packing): within a minibatch, the members of a group share one copy of their prompt
     # and trajectories share rows as long as the padded ones; a micro-batch holds at most microbatch_size of them
     pack_rows: bool = False
+    # True: minibatches take whole groups (groups shuffled, not rows), so a packed minibatch holds each group's
+    # shared prompt once instead of once per group member it happens to draw
+    group_minibatches: bool = False
     # critic (gae only)
     value_clip: float | None = 0.5
     critic_learning_rate: float = 1e-5

@@ -21,7 +21,8 @@ Settings and why:
 * ``instruction_style="brief"``: the short instruction without its worked example (whose answer "go to red
   ball 1" solves the red-ball levels verbatim and is what the model copies otherwise).
 * one-turn episodes in training and evaluation: the first action decides; a one-turn group shares its whole
-  prompt, so sampling costs one prefill per task and the learner computes it once (``pack_rows``).
+  prompt, so sampling costs one prefill per task and the learner computes it once (``pack_rows``; minibatches
+  take whole groups, ``group_minibatches``, so a minibatch of 8 holds two prompts, not up to eight).
 * groups of 4 at temperature 0.7, 6 tasks per step, dynamic sampling (up to 2 rounds: groups whose 4 episodes
   all got the same reward are dropped and replaced by groups of 12 further tasks); the update sees only groups
   that carry signal, two PPO epochs over them, DAPO's clip-higher (0.28) and token-mean loss.
@@ -52,7 +53,7 @@ def get_config(variant: str = ""):
                           response_prefix="Action:\n", stop_at_newline=True))
     c.horizon.type, c.horizon.turns = "fixed", 1
     c.algo.update(dict(
-        old_logp_source="sampler", pack_rows=True, loss_aggregation="token-mean", learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8,
+        old_logp_source="sampler", pack_rows=True, group_minibatches=True, loss_aggregation="token-mean", learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8,
         microbatch_size=4, logprob_chunk_size=128, trainable_layers=8, kl_coef=0.0, use_reference=False,
         temperature=0.7))
     c.train.update(dict(steps=12, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=12, eval_before=True,

@@ -118,6 +118,33 @@ def test_packed_update_equals_padded_update(model_dir, micro):
     assert packed_tokens < 0.4 * 12 * T
 
 
+def test_group_minibatches_deal_whole_groups_and_pack_fewer_tokens(model_dir):
+    batch = _group_batch(groups=4)
+    group_ids, real = np.asarray(batch.group_ids), np.ones((16,), bool)
+    config = dict(learning_rate=1e-3, pack_rows=True, minibatch_size=8, microbatch_size=8,
+                  loss_aggregation="token-mean", use_reference=False, kl_coef=0.0)
+    by_group = Learner(hf.load_model(model_dir), LearnerConfig(group_minibatches=True, **config))
+    by_row = Learner(hf.load_model(model_dir), LearnerConfig(**config))
+    prepared = by_group.prepare(batch)
+    pairs, held = set(), {"group": 0, "row": 0}
+    for seed in range(6):
+        order = by_group._minibatch_order(jax.random.PRNGKey(seed), real, group_ids, 2)
+        assert sorted(np.concatenate(order).tolist()) == list(range(16))
+        for index in order:
+            groups, counts = np.unique(group_ids[index], return_counts=True)
+            assert counts.tolist() == [4, 4]  # two whole groups of 4 per minibatch of 8
+            pairs.add(tuple(groups))
+            held["group"] += by_group._stack(prepared, index, group_ids, 8, 8)[1]
+        for index in by_row._minibatch_order(jax.random.PRNGKey(seed), real, group_ids, 2):
+            held["row"] += by_row._stack(prepared, index, group_ids, 8, 8)[1]
+    assert len(pairs) >= 3  # the groups are shuffled, not dealt in a fixed order
+    assert held["group"] < held["row"]  # one prompt copy per group, not one per group a minibatch touches
+    # padding rows (valid 0) go last, and every minibatch keeps its size
+    real[[3, 7]] = False
+    order = by_group._minibatch_order(jax.random.PRNGKey(0), real, group_ids, 2)
+    assert [len(index) for index in order] == [8, 8] and {3, 7} <= set(order[1].tolist())
+
+
 def test_packed_update_on_a_mesh_matches_single_device(model_dir):
     batch = _group_batch(seed=1)
     config = LearnerConfig(learning_rate=1e-3, pack_rows=True, minibatch_size=4, microbatch_size=4, ppo_epochs=2,
