@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax import compile_stats, sharding
+from agentgym_jax import compile_stats, ragged_prefill, sharding
 from agentgym_jax.attention import KEY_SLOT_AXIS, VALUE_SLOT_AXIS
 from agentgym_jax.buckets import bucket
 from agentgym_jax.errors import ConfigError
@@ -247,6 +247,9 @@ class SamplerConfig:
     # smallest bucket >= the longest length any row can reach in that call (else the whole cache). Decode
     # reads and scores W slots instead of cache_length, at the cost of one program per window bucket used.
     window_buckets: tuple[int, ...] = ()
+    # Ragged prefill (agentgym_jax.ragged_prefill): rows of very different lengths are prefilled in length-sorted
+    # parts when that computes fewer positions, each extra part priced as this many positions (0: never split).
+    prefill_call_cost: int = 256
 
 
 class Sampler:
@@ -337,7 +340,13 @@ class Sampler:
         no_room = (state.lengths + lengths > self.config.cache_length) & (lengths > 0)
         reasons_before[no_room] = StopReason.CACHE_FULL
         lengths[no_room] = 0
-        width = bucket(max(1, int(lengths.max(initial=0))), self.config.token_buckets)
+        heads = np.maximum(lengths - 1, 0)
+        if self._ragged_parts(heads, batch * self._token_bucket(int(lengths.max(initial=0))) - batch):
+            # all but each row's last token in length-sorted parts; the call below then brings one token a row
+            state = self.prefill(state, [ids[: heads[b]] if lengths[b] else None for b, ids in enumerate(rows)])
+            rows = [ids[heads[b]:] if lengths[b] else [] for b, ids in enumerate(rows)]
+            lengths = np.minimum(lengths, 1)
+        width = self._token_bucket(int(lengths.max(initial=0)))
         token_array = np.zeros((batch, width), np.int32)
         for b, ids in enumerate(rows):
             if lengths[b]:
@@ -396,8 +405,41 @@ class Sampler:
         if np.any(state.lengths + lengths > self.config.cache_length):
             raise ConfigError(f"prefill of {int(lengths.max())} tokens does not fit the sampler cache of "
                               f"{self.config.cache_length} slots; raise the cache length or shorten the prompt")
-        width = bucket(max(1, int(lengths.max(initial=0))), self.config.token_buckets)
-        token_array = np.zeros((batch, width), np.int32)
+        parts = self._ragged_parts(lengths, batch * self._token_bucket(int(lengths.max(initial=0))))
+        if parts:
+            for part in parts:
+                block = self._prefill_block(self.select_rows(state, part), [rows[r] for r in part])
+                state = self._put_rows(state, block, part)
+            return state
+        return self._prefill_block(state, rows)
+
+    def _token_bucket(self, length: int) -> int:
+        return bucket(max(1, length), self.config.token_buckets)
+
+    def _ragged_parts(self, lengths: np.ndarray, whole: int) -> list[list[int]] | None:
+        """Length-sorted parts of the rows when prefilling them apart computes fewer positions than ``whole``."""
+        if not self.config.prefill_call_cost or int((lengths > 0).sum()) < 2:
+            return None
+        return ragged_prefill.parts_if_cheaper(lengths.tolist(), whole, self._token_bucket, self.batch_bucket,
+                                               self.config.prefill_call_cost)
+
+    def _put_rows(self, state: SamplerState, part: SamplerState, rows: Sequence[int]) -> SamplerState:
+        """``part``'s first ``len(rows)`` rows written into ``rows`` of ``state`` (consumed)."""
+        index = np.full((part.batch_size,), state.batch_size, np.int32)  # out of range: not written
+        index[: len(rows)] = rows
+        with sharding.use_mesh(self.mesh):
+            cache = ragged_prefill.put_rows_program(state.cache, part.cache, jnp.asarray(index))
+        lengths = state.lengths.copy()
+        lengths[list(rows)] = part.lengths[: len(rows)]
+        state.cache = None  # donated
+        return SamplerState(cache=cache, lengths=lengths)
+
+    def _prefill_block(self, state: SamplerState, rows: list[list[int]]) -> SamplerState:
+        """One prefill program over every row of ``state``, padded to the longest of ``rows``."""
+        rows = rows + [[]] * (state.batch_size - len(rows))
+        lengths = np.array([len(t) for t in rows], np.int64)
+        width = self._token_bucket(int(lengths.max(initial=0)))
+        token_array = np.zeros((state.batch_size, width), np.int32)
         for b, ids in enumerate(rows):
             token_array[b, : lengths[b]] = ids
         with sharding.use_mesh(self.mesh):

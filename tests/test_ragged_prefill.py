@@ -1,0 +1,71 @@
+"""Ragged prefill: length-sorted parts cost fewer positions and leave the same caches and samples as one block."""
+
+import jax
+import numpy as np
+import pytest
+
+from agentgym_jax import hf, ragged_prefill
+from agentgym_jax.buckets import bucket
+from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
+from tests.tiny_models import make_hf_model
+
+TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+tokens = lambda n: bucket(max(1, n), TOKEN_BUCKETS)  # noqa: E731
+rows = lambda n: bucket(n, BATCH_BUCKETS)  # noqa: E731
+
+
+def test_one_long_prompt_among_short_ones_is_prefilled_apart():
+    lengths = [150] * 5 + [370] + [150] * 6  # the demo's shape: 12 task prompts, one much longer
+    parts = ragged_prefill.plan_parts(lengths, tokens, rows, call_cost=256)
+    # the long one alone; the eleven others as 8 + 3 rows (11 would pad to a batch of 16)
+    assert parts[0] == [5] and sorted(len(p) for p in parts) == [1, 3, 8]
+    assert sorted(r for p in parts for r in p) == list(range(12))
+    whole = 16 * 512  # one padded block: 16 rows x 512 tokens
+    assert ragged_prefill.parts_if_cheaper(lengths, whole, tokens, rows, 256) == parts
+    # 1 x 512 + 8 x 256 + 4 x 256 + 3 calls = 4352 positions instead of 8192
+    assert sum(rows(len(p)) * tokens(lengths[p[0]]) + 256 for p in parts) == 4352
+
+
+def test_even_or_empty_rows_are_not_split():
+    assert ragged_prefill.parts_if_cheaper([100] * 8, 8 * 128, tokens, rows, 256) is None
+    assert ragged_prefill.parts_if_cheaper([0, 0, 7, 0], 4 * 16, tokens, rows, 1) is None  # one row: one block
+    assert ragged_prefill.plan_parts([0, 0], tokens, rows, 1) == []
+    # a higher call price buys fewer parts
+    lengths = [300, 200, 120, 60, 30, 10, 3, 1]
+    assert len(ragged_prefill.plan_parts(lengths, tokens, rows, 1)) > len(
+        ragged_prefill.plan_parts(lengths, tokens, rows, 5000)) == 1
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ragged")
+    make_hf_model("qwen2-gqa-untied").save_pretrained(directory)
+    return hf.load_model(directory)
+
+
+def _two_turns(model, call_cost: int, sampling: SamplingParams):
+    sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_call_cost=call_cost))
+    put, parts = sampler._put_rows, []
+    sampler._put_rows = lambda state, part, rows: parts.append(len(rows)) or put(state, part, rows)
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(3, 200, n).tolist() for n in (70, 3, 9, 2, 40)]
+    state = sampler.new_state(8)
+    state = sampler.prefill(state, [p[:-1] for p in prompts])  # all but the last token, as the rollout does
+    state, first = sampler.generate(state, [p[-1:] for p in prompts], jax.random.PRNGKey(0), sampling)
+    observations = [rs.randint(3, 200, n).tolist() for n in (2, 33, 5, 1, 17)]
+    state, second = sampler.generate(state, observations, jax.random.PRNGKey(1), sampling)
+    return first, second, state.lengths, parts
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=6),
+                                      SamplingParams(temperature=1.0, max_new_tokens=6)])
+def test_parts_give_the_samples_and_caches_of_one_block(model, sampling):
+    split = _two_turns(model, call_cost=1, sampling=sampling)  # every call with ragged rows splits
+    whole = _two_turns(model, call_cost=0, sampling=sampling)  # 0: never split
+    for ours, reference in zip(split[:2], whole[:2]):
+        assert ours.tokens == reference.tokens
+        for a, b in zip(ours.logprobs, reference.logprobs):
+            np.testing.assert_allclose(a, b, atol=2e-5)
+    np.testing.assert_array_equal(split[2], whole[2])
+    assert whole[3] == [] and len(split[3]) >= 6 and max(split[3]) < 5  # each of the three calls split
