@@ -43,3 +43,9 @@ def compile_seconds(function_name: str) -> float:
     """Total backend compile time of ``jit(function_name)``."""
     with _lock:
         return _seconds[f"jit({function_name})"]
+
+
+def total_compile_seconds() -> float:
+    """Backend compile time of every jitted function so far (since :func:`install`)."""
+    with _lock:
+        return float(sum(_seconds.values()))

@@ -4,7 +4,8 @@ A prefill (or the prompt part of a generate call) computes ``batch bucket x toke
 brings 370 new tokens and eleven others 150, one padded block is 16 x 512 = 8192 positions for about 2000 real
 ones. Sorted by length and cut into parts, each padded to its own buckets, the same rows cost far fewer. Each part
 is a further program call (its rows are copied out of the batch's cache and back), priced as ``call_cost``
-positions; the plan below is the cheapest cut under that price.
+positions; the plan below is the cheapest cut under that price. (Within a part, a long prompt is written in
+fixed-size chunks: ``SamplerConfig.prefill_chunk``.)
 """
 
 from __future__ import annotations
@@ -21,34 +22,24 @@ from agentgym_jax.model import KVCache
 Sizer = Callable[[int], int]
 
 
-def plan_parts(lengths: Sequence[int], token_bucket: Sizer, batch_bucket: Sizer, call_cost: int) -> list[list[int]]:
+def plan_parts(lengths: Sequence[int], positions: Sizer, batch_bucket: Sizer, call_cost: int
+               ) -> tuple[list[list[int]], int]:
     """The rows with new tokens (``lengths[r] > 0``), longest first, cut into consecutive parts that minimize
-    the positions computed (each part ``batch_bucket(rows) x token_bucket(its longest)``) plus ``call_cost`` per
-    part. Dynamic programming over the cut points: O(rows^2)."""
+    the positions computed (each part ``batch_bucket(rows) x positions(its longest)``) plus ``call_cost`` per
+    part; returns the parts and that total. Dynamic programming over the cut points: O(rows^2)."""
     rows = sorted((r for r, n in enumerate(lengths) if n > 0), key=lambda r: (-lengths[r], r))
-    best = [0.0] + [float("inf")] * len(rows)
+    best = [0] + [None] * len(rows)
     cut = [0] * (len(rows) + 1)
     for end in range(1, len(rows) + 1):
         for start in range(end):
-            cost = best[start] + batch_bucket(end - start) * token_bucket(lengths[rows[start]]) + call_cost
-            if cost < best[end]:
+            cost = best[start] + batch_bucket(end - start) * positions(lengths[rows[start]]) + call_cost
+            if best[end] is None or cost < best[end]:
                 best[end], cut[end] = cost, start
     parts, end = [], len(rows)
     while end:
         parts.append(rows[cut[end]:end])
         end = cut[end]
-    return parts[::-1]
-
-
-def parts_if_cheaper(lengths: Sequence[int], whole: int, token_bucket: Sizer, batch_bucket: Sizer,
-                     call_cost: int) -> list[list[int]] | None:
-    """The planned parts when they cost fewer positions than ``whole`` (what one padded block costs), else
-    None; a single part is never cheaper than the block it replaces."""
-    parts = plan_parts(lengths, token_bucket, batch_bucket, call_cost)
-    if len(parts) < 2:
-        return None
-    split = sum(batch_bucket(len(p)) * token_bucket(lengths[p[0]]) + call_cost for p in parts)
-    return parts if split < whole else None
+    return parts[::-1], best[-1]
 
 
 @partial(jax.jit, donate_argnames=("cache",))

@@ -31,6 +31,7 @@ from agentgym_jax.attention import KEY_SLOT_AXIS, VALUE_SLOT_AXIS
 from agentgym_jax.buckets import bucket
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.model import DecoderLM, KVCache, to_dtype
+from agentgym_jax.token_draws import inverse_cdf_sample, top_k_top_p_mask
 
 
 class StopReason(enum.IntEnum):
@@ -85,17 +86,6 @@ class SamplerState:
         return int(self.lengths.shape[0])
 
 
-def _inverse_cdf_sample(row_keys: jax.Array, logits: jax.Array) -> jax.Array:
-    """One draw per row from ``softmax(logits)`` [B, V] by inverting its cumulative distribution with one uniform
-    number per row. Exact like Gumbel-max (``jax.random.categorical``), which needs V random numbers per row:
-    hashing those was 4x the cost of this whole function on a CPU (22 vs 5 ms at 32 x 49k)."""
-    uniform = jax.vmap(jax.random.uniform)(row_keys)  # [B] in [0, 1)
-    cdf = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)
-    # The first index whose cumulative mass exceeds u * total: a zero-probability token is never picked.
-    picked = jnp.sum(cdf <= (uniform * cdf[:, -1])[:, None], axis=-1)
-    return jnp.minimum(picked, logits.shape[-1] - 1)
-
-
 def _sample_tokens(
     logits: jax.Array, keys: jax.Array, counters: jax.Array, temperature: jax.Array, top_p: jax.Array,
     top_k: jax.Array, filtered: bool, logprob_temperature: float = 1.0,
@@ -105,21 +95,9 @@ def _sample_tokens(
     greedy = jnp.argmax(logits, axis=-1)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     if filtered:
-        # Sort once per row; rank-based top-k and cumulative-probability top-p masks in sorted order.
-        order = jnp.argsort(-scaled, axis=-1)
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        ranks = jnp.arange(logits.shape[-1])[None, :]
-        keep = jnp.where(top_k[:, None] > 0, ranks < top_k[:, None], True)
-        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = keep & (mass_before < top_p[:, None])
-        sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+        scaled = jnp.where(top_k_top_p_mask(scaled, top_k, top_p), scaled, -jnp.inf)
     row_keys = jax.vmap(jax.random.fold_in)(keys, counters)
-    if filtered:
-        picked = _inverse_cdf_sample(row_keys, sorted_logits)
-        sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0]
-    else:
-        sampled = _inverse_cdf_sample(row_keys, scaled)
+    sampled = inverse_cdf_sample(row_keys, scaled)
     tokens = jnp.where(temperature == 0, greedy, sampled).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
 
@@ -150,12 +128,7 @@ def _generate_program(
     batch = new_tokens.shape[0]
     capacity = cache.capacity
     rows = jnp.arange(batch)
-    full_cache = cache
-    if window < capacity:
-        # Attend over the first `window` slots only; the host chose it so no row can pass it in this call.
-        head = lambda x, axis: jax.lax.slice_in_dim(x, 0, window, axis=axis)
-        cache = dataclasses.replace(cache, keys=[head(k, KEY_SLOT_AXIS) for k in cache.keys],
-                                    values=[head(v, VALUE_SLOT_AXIS) for v in cache.values])
+    full_cache, cache = cache, _window_view(cache, window)
 
     # Prefill: write the new tokens, then read the logits at each row's last new token.
     hidden, cache = model.forward(new_tokens, cache=cache)
@@ -208,25 +181,40 @@ def _generate_program(
                     logprobs=logprobs, count=count, recent=recent)
 
     out = jax.lax.while_loop(cond, body, carry)
-    cache = out["cache"]
-    if window < capacity:
-        write_back = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=axis)
-        cache = dataclasses.replace(
-            cache, keys=[write_back(k, part, KEY_SLOT_AXIS) for k, part in zip(full_cache.keys, cache.keys)],
-            values=[write_back(v, part, VALUE_SLOT_AXIS) for v, part in zip(full_cache.values, cache.values)],
-        )
-    return cache, out["tokens"], out["logprobs"], out["count"], out["reason"]
+    return _write_back(full_cache, out["cache"]), out["tokens"], out["logprobs"], out["count"], out["reason"]
+
+
+def _window_view(cache: KVCache, window: int) -> KVCache:
+    """The cache's first ``window`` slots (the host chose ``window`` so that no row passes it in this call)."""
+    if window >= cache.capacity:
+        return cache
+    head = lambda x, axis: jax.lax.slice_in_dim(x, 0, window, axis=axis)  # noqa: E731
+    return dataclasses.replace(cache, keys=[head(k, KEY_SLOT_AXIS) for k in cache.keys],
+                               values=[head(v, VALUE_SLOT_AXIS) for v in cache.values])
+
+
+def _write_back(full: KVCache, view: KVCache) -> KVCache:
+    """``full`` with the updated window ``view`` written over its first slots (and ``view``'s lengths)."""
+    if view.capacity == full.capacity:
+        return view
+    put = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=axis)  # noqa: E731
+    return dataclasses.replace(
+        view, keys=[put(k, part, KEY_SLOT_AXIS) for k, part in zip(full.keys, view.keys)],
+        values=[put(v, part, VALUE_SLOT_AXIS) for v, part in zip(full.values, view.values)],
+    )
 
 
 PROGRAM_NAME = "_generate_program"
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengths: jax.Array, *, graphdef: Any):
-    """Writes each row's new tokens into its cache without sampling (rows with length 0 are untouched)."""
+@partial(jax.jit, static_argnames=("graphdef", "window"), donate_argnames=("cache",))
+def _prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengths: jax.Array, *, graphdef: Any,
+                     window: int):
+    """Writes each row's new tokens into its cache without sampling (rows with length 0 are untouched),
+    attending over the first ``window`` slots."""
     model = nnx.merge(graphdef, state)
-    _, cache = model.forward(new_tokens, cache=cache)
-    return dataclasses.replace(cache, lengths=cache.lengths + new_lengths)
+    _, view = model.forward(new_tokens, cache=_window_view(cache, window))
+    return _write_back(cache, dataclasses.replace(view, lengths=view.lengths + new_lengths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +238,10 @@ class SamplerConfig:
     # Ragged prefill (agentgym_jax.ragged_prefill): rows of very different lengths are prefilled in length-sorted
     # parts when that computes fewer positions, each extra part priced as this many positions (0: never split).
     prefill_call_cost: int = 256
+    # Prompts longer than this are written in chunks of it (the rest padded to a token bucket), so a 300-token
+    # prompt computes 128 + 128 + 64 positions rather than a 512 bucket, from two compiled shapes; 0: one block.
+    # Must be one of token_buckets.
+    prefill_chunk: int = 128
 
 
 class Sampler:
@@ -261,6 +253,9 @@ class Sampler:
         self.graphdef, self.state = nnx.split(model)
         self.model_config = model.config
         to_dtype(config.cache_dtype or model.config.dtype)
+        if config.prefill_chunk and config.prefill_chunk not in config.token_buckets:
+            raise ConfigError(f"SamplerConfig.prefill_chunk={config.prefill_chunk} is not one of token_buckets "
+                              f"{config.token_buckets}; use one of them, or 0 to prefill in one block")
         compile_stats.install()
 
     def update_params(self, model_or_state: Any) -> None:
@@ -341,7 +336,8 @@ class Sampler:
         reasons_before[no_room] = StopReason.CACHE_FULL
         lengths[no_room] = 0
         heads = np.maximum(lengths - 1, 0)
-        if self._ragged_parts(heads, batch * self._token_bucket(int(lengths.max(initial=0))) - batch):
+        in_call = batch * self._token_bucket(int(lengths.max(initial=0)))  # the prompt part of one program
+        if heads.any() and self._prefill_plan(heads, batch)[0] + self.config.prefill_call_cost + batch < in_call:
             # all but each row's last token in length-sorted parts; the call below then brings one token a row
             state = self.prefill(state, [ids[: heads[b]] if lengths[b] else None for b, ids in enumerate(rows)])
             rows = [ids[heads[b]:] if lengths[b] else [] for b, ids in enumerate(rows)]
@@ -405,7 +401,7 @@ class Sampler:
         if np.any(state.lengths + lengths > self.config.cache_length):
             raise ConfigError(f"prefill of {int(lengths.max())} tokens does not fit the sampler cache of "
                               f"{self.config.cache_length} slots; raise the cache length or shorten the prompt")
-        parts = self._ragged_parts(lengths, batch * self._token_bucket(int(lengths.max(initial=0))))
+        _, parts = self._prefill_plan(lengths, batch)
         if parts:
             for part in parts:
                 block = self._prefill_block(self.select_rows(state, part), [rows[r] for r in part])
@@ -416,12 +412,23 @@ class Sampler:
     def _token_bucket(self, length: int) -> int:
         return bucket(max(1, length), self.config.token_buckets)
 
-    def _ragged_parts(self, lengths: np.ndarray, whole: int) -> list[list[int]] | None:
-        """Length-sorted parts of the rows when prefilling them apart computes fewer positions than ``whole``."""
+    def _prefill_positions(self, length: int) -> int:
+        """Positions per row that prefilling ``length`` tokens computes (chunks, then the rest's bucket)."""
+        chunk = self.config.prefill_chunk
+        if not chunk or length <= chunk:
+            return self._token_bucket(length)
+        full, rest = divmod(length, chunk)
+        return full * chunk + (self._token_bucket(rest) if rest else 0)
+
+    def _prefill_plan(self, lengths: np.ndarray, batch: int) -> tuple[int, list[list[int]] | None]:
+        """Positions computed to prefill ``lengths`` into ``batch`` rows, and how: one block over every row
+        (None), or length-sorted parts of the rows (agentgym_jax.ragged_prefill) when those compute fewer."""
+        block = batch * self._prefill_positions(int(lengths.max(initial=0)))
         if not self.config.prefill_call_cost or int((lengths > 0).sum()) < 2:
-            return None
-        return ragged_prefill.parts_if_cheaper(lengths.tolist(), whole, self._token_bucket, self.batch_bucket,
-                                               self.config.prefill_call_cost)
+            return block, None
+        parts, cost = ragged_prefill.plan_parts(lengths.tolist(), self._prefill_positions, self.batch_bucket,
+                                                self.config.prefill_call_cost)
+        return (cost, parts) if len(parts) > 1 and cost < block else (block, None)
 
     def _put_rows(self, state: SamplerState, part: SamplerState, rows: Sequence[int]) -> SamplerState:
         """``part``'s first ``len(rows)`` rows written into ``rows`` of ``state`` (consumed)."""
@@ -435,6 +442,14 @@ class Sampler:
         return SamplerState(cache=cache, lengths=lengths)
 
     def _prefill_block(self, state: SamplerState, rows: list[list[int]]) -> SamplerState:
+        """Every row of ``state`` prefilled together, ``prefill_chunk`` tokens per program call."""
+        longest = max((len(ids) for ids in rows), default=0)
+        chunk = self.config.prefill_chunk or max(1, longest)
+        for start in range(0, longest, chunk):
+            state = self._prefill_call(state, [ids[start: start + chunk] for ids in rows])
+        return state
+
+    def _prefill_call(self, state: SamplerState, rows: list[list[int]]) -> SamplerState:
         """One prefill program over every row of ``state``, padded to the longest of ``rows``."""
         rows = rows + [[]] * (state.batch_size - len(rows))
         lengths = np.array([len(t) for t in rows], np.int64)
@@ -442,12 +457,13 @@ class Sampler:
         token_array = np.zeros((state.batch_size, width), np.int32)
         for b, ids in enumerate(rows):
             token_array[b, : lengths[b]] = ids
+        window = self.window(state.lengths, lengths, [0] * state.batch_size)
         with sharding.use_mesh(self.mesh):
             tokens, counts = jnp.asarray(token_array), jnp.asarray(lengths.astype(np.int32))
             if self.mesh is not None:
                 tokens = jax.device_put(tokens, sharding.named_sharding(self.mesh, "tokens"))
                 counts = jax.device_put(counts, sharding.named_sharding(self.mesh, "rows"))
-            cache = _prefill_program(self.state, state.cache, tokens, counts, graphdef=self.graphdef)
+            cache = _prefill_program(self.state, state.cache, tokens, counts, graphdef=self.graphdef, window=window)
         state.cache = None  # donated
         return SamplerState(cache=cache, lengths=state.lengths + lengths)
 

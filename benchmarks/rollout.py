@@ -18,6 +18,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from agentgym_jax import compile_stats
 from benchmarks.common import RESULTS_DIR, cpu_facts, median, peak_rss_mib, write_json
 
 _PART = flags.DEFINE_enum("part", "all", ["all", "step", "loops"], "What to measure.")
@@ -87,7 +88,8 @@ def measure_loops() -> dict:
                         f"temperature {config.rollout.temperature}, {_LOOP_ROWS} sampler rows (all 32 for "
                         "lockstep_all_rows); the demo's model, prefix and stop rules",
             "episodes_per_s": rate, "seconds": seconds, "sampler_calls": rounds,
-            "turns_per_episode": {"min": min(turns), "median": median(turns), "max": max(turns)},
+            "turns_per_episode": {"min": min(turns), "median": median(turns), "max": max(turns),
+                                  "histogram": {str(n): turns.count(n) for n in sorted(set(turns))}},
             "statistic": f"median of {_REPEATS.value} rollouts per loop, interleaved, after a compiling pass",
         },
     }
@@ -98,11 +100,17 @@ def measure_step() -> dict:
 
     config = _demo_config()
     episodes_per_step = config.data.tasks_per_step * config.data.samples_per_task
+    compile_stats.install()
+    compile_s = []
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir)
         try:
             warmup = trainer.fit(steps=1)[0]
-            timed = trainer.fit(steps=_STEPS.value)
+            timed = []
+            for _ in range(_STEPS.value):  # one step per call, to book each step's XLA compile time
+                before = compile_stats.total_compile_seconds()
+                timed += trainer.fit(steps=1)
+                compile_s.append(compile_stats.total_compile_seconds() - before)
         finally:
             trainer.close()
     keys = ("time/step_s", "time/sampling_s", "time/env_s", "time/train_s", "time/rollout_host_s")
@@ -122,6 +130,9 @@ def measure_step() -> dict:
         "time_split_share": {k: v / med["time/step_s"] for k, v in (("sampling", med["time/sampling_s"]),
                              ("env", med["time/env_s"]), ("train", med["time/train_s"]), ("other", other))},
         "warmup_step_s": warmup["time/step_s"],
+        # new shapes (batch, prompt and window buckets, packed update sizes) still compile in the first steps
+        "compile_s_per_step": compile_s,
+        "step_s_without_compiles": median([m["time/step_s"] - c for m, c in zip(timed, compile_s)]),
         "timed_steps": len(timed),
         "statistic": "median over timed steps after one compiling warm-up step",
     }

@@ -17,24 +17,22 @@ rows = lambda n: bucket(n, BATCH_BUCKETS)  # noqa: E731
 
 def test_one_long_prompt_among_short_ones_is_prefilled_apart():
     lengths = [150] * 5 + [370] + [150] * 6  # the demo's shape: 12 task prompts, one much longer
-    parts = ragged_prefill.plan_parts(lengths, tokens, rows, call_cost=256)
+    parts, cost = ragged_prefill.plan_parts(lengths, tokens, rows, call_cost=256)
     # the long one alone; the eleven others as 8 + 3 rows (11 would pad to a batch of 16)
     assert parts[0] == [5] and sorted(len(p) for p in parts) == [1, 3, 8]
     assert sorted(r for p in parts for r in p) == list(range(12))
-    whole = 16 * 512  # one padded block: 16 rows x 512 tokens
-    assert ragged_prefill.parts_if_cheaper(lengths, whole, tokens, rows, 256) == parts
-    # 1 x 512 + 8 x 256 + 4 x 256 + 3 calls = 4352 positions instead of 8192
-    assert sum(rows(len(p)) * tokens(lengths[p[0]]) + 256 for p in parts) == 4352
+    # 1 x 512 + 8 x 256 + 4 x 256 + 3 calls = 4352 positions instead of one 16 x 512 block
+    assert cost == sum(rows(len(p)) * tokens(lengths[p[0]]) + 256 for p in parts) == 4352
 
 
 def test_even_or_empty_rows_are_not_split():
-    assert ragged_prefill.parts_if_cheaper([100] * 8, 8 * 128, tokens, rows, 256) is None
-    assert ragged_prefill.parts_if_cheaper([0, 0, 7, 0], 4 * 16, tokens, rows, 1) is None  # one row: one block
-    assert ragged_prefill.plan_parts([0, 0], tokens, rows, 1) == []
+    assert ragged_prefill.plan_parts([100] * 8, tokens, rows, 256) == ([list(range(8))], 8 * 128 + 256)
+    assert ragged_prefill.plan_parts([0, 0, 7, 0], tokens, rows, 1)[0] == [[2]]
+    assert ragged_prefill.plan_parts([0, 0], tokens, rows, 1) == ([], 0)
     # a higher call price buys fewer parts
     lengths = [300, 200, 120, 60, 30, 10, 3, 1]
-    assert len(ragged_prefill.plan_parts(lengths, tokens, rows, 1)) > len(
-        ragged_prefill.plan_parts(lengths, tokens, rows, 5000)) == 1
+    assert len(ragged_prefill.plan_parts(lengths, tokens, rows, 1)[0]) > len(
+        ragged_prefill.plan_parts(lengths, tokens, rows, 5000)[0]) == 1
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +42,9 @@ def model(tmp_path_factory):
     return hf.load_model(directory)
 
 
-def _two_turns(model, call_cost: int, sampling: SamplingParams):
-    sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_call_cost=call_cost))
+def _two_turns(model, call_cost: int, sampling: SamplingParams, chunk: int = 0):
+    sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_call_cost=call_cost, prefill_chunk=chunk,
+                                           window_buckets=(64, 128)))
     put, parts = sampler._put_rows, []
     sampler._put_rows = lambda state, part, rows: parts.append(len(rows)) or put(state, part, rows)
     rs = np.random.RandomState(0)
@@ -69,3 +68,19 @@ def test_parts_give_the_samples_and_caches_of_one_block(model, sampling):
             np.testing.assert_allclose(a, b, atol=2e-5)
     np.testing.assert_array_equal(split[2], whole[2])
     assert whole[3] == [] and len(split[3]) >= 6 and max(split[3]) < 5  # each of the three calls split
+
+
+def test_chunked_prefill_gives_the_samples_and_caches_of_one_block(model):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    chunked = _two_turns(model, call_cost=0, sampling=sampling, chunk=16)  # 70 tokens: 16 x 4 + 6
+    whole = _two_turns(model, call_cost=0, sampling=sampling)
+    for ours, reference in zip(chunked[:2], whole[:2]):
+        assert ours.tokens == reference.tokens
+        for a, b in zip(ours.logprobs, reference.logprobs):
+            np.testing.assert_allclose(a, b, atol=2e-5)
+    np.testing.assert_array_equal(chunked[2], whole[2])
+
+
+def test_prefill_chunk_must_be_a_token_bucket(model):
+    with pytest.raises(Exception, match="prefill_chunk=48 is not one of token_buckets"):
+        Sampler(model, SamplerConfig(prefill_chunk=48))

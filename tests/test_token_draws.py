@@ -1,10 +1,11 @@
-"""The sampler's per-row token draw follows softmax(logits) and never picks a zero-probability token."""
+"""The sampler's per-row token draw follows softmax(logits) and never picks a zero-probability token; top-k and
+top-p keep the sets a sort would."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax.sampling import _inverse_cdf_sample
+from agentgym_jax.token_draws import inverse_cdf_sample as _inverse_cdf_sample, top_k_top_p_mask
 
 
 def test_inverse_cdf_draws_match_the_distribution():
@@ -26,3 +27,39 @@ def test_inverse_cdf_draws_are_a_function_of_the_row_key():
     np.testing.assert_array_equal(first, again)
     other = _inverse_cdf_sample(jax.random.split(jax.random.PRNGKey(2), 6), logits)
     assert not np.array_equal(first, other)
+
+
+def _sorted_mask(logits: np.ndarray, k: int, p: float) -> np.ndarray:
+    """The reference: sort, keep the first k, renormalize, keep while the mass before a token is below p."""
+    order = np.argsort(-logits, kind="stable")
+    ranked = logits[order]
+    keep = np.arange(len(ranked)) < (k or len(ranked))
+    probs = np.exp(np.where(keep, ranked - ranked.max(), -np.inf))
+    probs /= probs.sum()
+    keep &= ((np.cumsum(probs) - probs) < p) | (p >= 1.0)
+    mask = np.zeros(len(ranked), bool)
+    mask[order[keep]] = True
+    return mask
+
+
+def test_top_k_top_p_mask_equals_the_sorted_reference():
+    rs = np.random.RandomState(0)
+    logits = (rs.randn(64, 500) * rs.uniform(0.5, 6, (64, 1))).astype(np.float32)
+    logits[:4, :250] = -np.inf  # rows whose lower half is already masked out
+    top_k = rs.choice([0, 1, 5, 40, 499], 64).astype(np.int32)
+    top_p = rs.choice([1.0, 0.95, 0.5, 0.1, 1e-4], 64).astype(np.float32)
+    mask = np.asarray(top_k_top_p_mask(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for row in range(64):
+        expected = _sorted_mask(logits[row], int(top_k[row]), float(top_p[row]))
+        np.testing.assert_array_equal(mask[row], expected, err_msg=f"row {row}: k={top_k[row]} p={top_p[row]}")
+    assert mask.sum(axis=1).min() >= 1 and (mask.sum(axis=1) < 500).sum() > 50  # every row draws; most filter
+
+
+def test_tokens_tied_at_the_boundary_are_kept_together():
+    logits = jnp.asarray([[3.0, 1.0, 2.0, 2.0, 0.5]])
+    mask = top_k_top_p_mask(logits, jnp.asarray([2]), jnp.asarray([1.0]))
+    assert np.asarray(mask)[0].tolist() == [True, False, True, True, False]  # k = 2, but tokens 2 and 3 tie
+    # negative and positive logits, and a row of one finite logit
+    logits = jnp.asarray([[-1.0, -0.5, 0.0, 0.25, -jnp.inf], [-jnp.inf, -jnp.inf, 4.0, -jnp.inf, -jnp.inf]])
+    mask = np.asarray(top_k_top_p_mask(logits, jnp.asarray([3, 0]), jnp.asarray([1.0, 0.3])))
+    assert mask.tolist() == [[False, True, True, True, False], [False, False, True, False, False]]
