@@ -273,14 +273,18 @@ class Sampler:
         multiple = sharding.batch_rows(self.mesh)
         return -(-size // multiple) * multiple
 
-    def window(self, lengths: np.ndarray, new_lengths: np.ndarray, max_new_tokens: Sequence[int]) -> int:
-        """Cache slots a call attends over: a window bucket covering every active row's final length."""
+    def window(self, lengths: np.ndarray, new_lengths: np.ndarray, max_new_tokens: Sequence[int],
+               powers_of_two: bool = False) -> int:
+        """Cache slots a call attends over: a window bucket covering every active row's final length
+        (``powers_of_two``: only the buckets that are powers of two, for prefill chunks, whose reach moves by a
+        chunk per call and would otherwise compile a program per bucket passed)."""
         capacity = self.config.cache_length
         active = new_lengths > 0
         if not self.config.window_buckets or not active.any():
             return capacity
         reach = int(np.max((lengths + new_lengths + np.asarray(max_new_tokens))[active]))
-        fitting = [w for w in self.config.window_buckets if reach <= w < capacity]
+        fitting = [w for w in self.config.window_buckets
+                   if reach <= w < capacity and not (powers_of_two and w & (w - 1))]
         return min(fitting) if fitting else capacity
 
     def _check_context(self, ends: np.ndarray) -> None:
@@ -457,7 +461,7 @@ class Sampler:
         token_array = np.zeros((state.batch_size, width), np.int32)
         for b, ids in enumerate(rows):
             token_array[b, : lengths[b]] = ids
-        window = self.window(state.lengths, lengths, [0] * state.batch_size)
+        window = self.window(state.lengths, lengths, [0] * state.batch_size, powers_of_two=True)
         with sharding.use_mesh(self.mesh):
             tokens, counts = jnp.asarray(token_array), jnp.asarray(lengths.astype(np.int32))
             if self.mesh is not None:
