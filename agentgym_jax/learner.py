@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from agentgym_jax import advantages as adv_lib
 from agentgym_jax import distributed, freezing, lora, packing, sharding
 from agentgym_jax.batch import BatchError, TrajectoryBatch
+from agentgym_jax.buckets import LENGTH_BUCKETS
 from agentgym_jax.critic import Critic, copy_tree
 from agentgym_jax.errors import CheckpointError, ConfigError
 from agentgym_jax.learner_config import (  # noqa: F401 - re-exported: the learner's public settings
@@ -311,12 +312,16 @@ class Learner:
         if not self.config.pack_rows:
             stack = prepared.map(lambda x: self._put(x[index].reshape(minibatch // micro, micro, *x.shape[1:]), True))
             return stack, minibatch * prepared.tokens.shape[1]
-        # rows as long as the padded ones: one compiled shape per batch length, not one per packed length
+        # rows as long as the padded ones (one compiled shape per batch length, not one per packed length), or
+        # up to twice that where a group's block would not fit: splitting it would copy its prompt again
         width = prepared.tokens.shape[1]
-        packed = packing.pack_training_batch(prepared.map(lambda x: x[index]), group_ids[index], (width,))
+        lengths = (width, *(b for b in LENGTH_BUCKETS if width < b <= 2 * width))
+        packed = packing.pack_training_batch(prepared.map(lambda x: x[index]), group_ids[index], lengths,
+                                             max_block=lengths[-1])
         rows, length = packed.tokens.shape
-        # at most `micro` rows per micro-batch; powers of two bound the compiled shapes
-        per_micro = min(1 << (micro.bit_length() - 1), 1 << (rows - 1).bit_length())
+        # at most `micro` padded rows' positions per micro-batch; powers of two bound the compiled shapes
+        budget = max(1, micro * width // length)
+        per_micro = min(1 << (budget.bit_length() - 1), 1 << (rows - 1).bit_length())
         mesh_rows = sharding.batch_rows(self.mesh)
         per_micro = -(-per_micro // mesh_rows) * mesh_rows
         count = 1 << (-(-rows // per_micro) - 1).bit_length()
@@ -447,8 +452,11 @@ class Learner:
                 key = f"{part}/{sharding.path_to_str(path)}"
                 value = state[key]
                 if tuple(np.shape(value)) != tuple(current.shape):
-                    raise CheckpointError(f"{key} has shape {np.shape(value)} in the checkpoint, expected {current.shape}")
-                value = np.asarray(jax.device_get(value)).astype(current.dtype) if not isinstance(value, jax.Array) else value.astype(current.dtype)
+                    raise CheckpointError(
+                        f"{key} has shape {np.shape(value)} in the checkpoint, expected {current.shape}")
+                if not isinstance(value, jax.Array):
+                    value = np.asarray(jax.device_get(value))
+                value = value.astype(current.dtype)
                 leaves.append(jax.device_put(value, current.sharding))
             restored[part] = jax.tree_util.tree_unflatten(treedef, leaves)
         policy = restored["policy"]

@@ -75,12 +75,13 @@ def _blocks(tokens: np.ndarray, loss_mask: np.ndarray, group_ids: np.ndarray, ma
 
 
 def plan(tokens: np.ndarray, loss_mask: np.ndarray, group_ids: np.ndarray,
-         length_buckets: Sequence[int] = LENGTH_BUCKETS) -> Layout:
+         length_buckets: Sequence[int] = LENGTH_BUCKETS, max_block: int | None = None) -> Layout:
     """Packs trajectories ``tokens`` [N, T] (rows without agent tokens are left out) into rows whose length is
-    the bucket of the longest block; a group whose block would exceed ``T`` is split into several blocks."""
+    the bucket of the longest block; a group whose block would exceed ``max_block`` (default ``T``) is split
+    into several blocks, each with its own copy of the prefix."""
     tokens, group_ids = np.asarray(tokens), np.asarray(group_ids)
     n, width = tokens.shape
-    blocks = sorted(_blocks(tokens, np.asarray(loss_mask), group_ids, width), key=lambda b: -b.size)
+    blocks = sorted(_blocks(tokens, np.asarray(loss_mask), group_ids, max_block or width), key=lambda b: -b.size)
     longest = max((b.size for b in blocks), default=1)
     fitting = [b for b in length_buckets if b >= longest]
     length = min(fitting) if fitting else longest
@@ -138,13 +139,14 @@ def scatter(layout: Layout, values: np.ndarray) -> np.ndarray:
 
 
 def pack_training_batch(batch: TrainingBatch, group_ids: np.ndarray,
-                        length_buckets: Sequence[int] = LENGTH_BUCKETS) -> TrainingBatch:
+                        length_buckets: Sequence[int] = LENGTH_BUCKETS, max_block: int | None = None
+                        ) -> TrainingBatch:
     """The same training inputs as packed rows (host arrays), with the sources, RoPE positions and segments the
     train step needs to score them."""
     mask = np.array(batch.loss_mask, copy=True)
     mask[:, 0] = 0  # nothing predicts a row's first token (the padded layout never scores it either)
     batch = dataclasses.replace(batch, loss_mask=mask)
-    layout = plan(batch.tokens, mask, group_ids, length_buckets)
+    layout = plan(batch.tokens, mask, group_ids, length_buckets, max_block)
     fields = {name: scatter(layout, getattr(batch, name)) for name in PER_TOKEN_FIELDS
               if getattr(batch, name) is not None}
     positions = agent_positions(fields["loss_mask"])

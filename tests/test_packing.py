@@ -72,6 +72,9 @@ def test_a_group_longer_than_a_row_is_split_with_its_prompt_copied():
     # one block would be 4 + 4 + 4 = 12 tokens, more than the 8 of a padded row: two blocks of 8, one per row
     assert layout.shape == (2, 8) and layout.tokens.tolist() == [list(range(1, 9))] * 2
     assert layout.cells.tolist() == [list(range(8)), list(range(8, 16))]
+    # allowed blocks of up to 16 tokens (what the learner allows: twice the padded width), it stays one block
+    layout = packing.plan(tokens, mask, np.zeros(2, int), length_buckets=(8, 16), max_block=16)
+    assert layout.shape == (1, 16) and layout.tokens[0, :12].tolist() == list(range(1, 9)) + [5, 6, 7, 8]
 
 
 def test_layout_packs_blocks_first_fit():
@@ -118,6 +121,11 @@ def test_packed_update_equals_padded_update(model_dir, micro):
     assert packed_tokens < 0.4 * 12 * T
 
 
+def _packed_tokens(learner, prepared, index, group_ids) -> int:
+    stack, _ = learner._stack(prepared, index, group_ids, 8, 8)
+    return int((np.asarray(stack.blocks) >= 0).sum())
+
+
 def test_group_minibatches_deal_whole_groups_and_pack_fewer_tokens(model_dir):
     batch = _group_batch(groups=4)
     group_ids, real = np.asarray(batch.group_ids), np.ones((16,), bool)
@@ -134,11 +142,11 @@ def test_group_minibatches_deal_whole_groups_and_pack_fewer_tokens(model_dir):
             groups, counts = np.unique(group_ids[index], return_counts=True)
             assert counts.tolist() == [4, 4]  # two whole groups of 4 per minibatch of 8
             pairs.add(tuple(groups))
-            held["group"] += by_group._stack(prepared, index, group_ids, 8, 8)[1]
+            held["group"] += _packed_tokens(by_group, prepared, index, group_ids)
         for index in by_row._minibatch_order(jax.random.PRNGKey(seed), real, group_ids, 2):
-            held["row"] += by_row._stack(prepared, index, group_ids, 8, 8)[1]
+            held["row"] += _packed_tokens(by_row, prepared, index, group_ids)
     assert len(pairs) >= 3  # the groups are shuffled, not dealt in a fixed order
-    assert held["group"] < held["row"]  # one prompt copy per group, not one per group a minibatch touches
+    assert held["group"] < held["row"]  # packed tokens: one prompt copy per group, not one per group touched
     # padding rows (valid 0) go last, and every minibatch keeps its size
     real[[3, 7]] = False
     order = by_group._minibatch_order(jax.random.PRNGKey(0), real, group_ids, 2)
