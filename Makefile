@@ -54,6 +54,7 @@ demo: setup
 
 bench: setup
 	$(PY) -m benchmarks.sampler
+	$(PY) -m benchmarks.token_draws
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.envs
 	$(PY) -m benchmarks.rollout
