@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from agentgym_jax import hf, ragged_prefill
+from agentgym_jax import hf, ragged_prefill, sharding
 from agentgym_jax.buckets import bucket
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from tests.tiny_models import make_hf_model
@@ -36,15 +36,20 @@ def test_even_or_empty_rows_are_not_split():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ragged")
     make_hf_model("qwen2-gqa-untied").save_pretrained(directory)
-    return hf.load_model(directory)
+    return directory
 
 
-def _two_turns(model, call_cost: int, sampling: SamplingParams, chunk: int = 0):
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return hf.load_model(model_dir)
+
+
+def _two_turns(model, call_cost: int, sampling: SamplingParams, chunk: int = 0, mesh=None):
     sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_call_cost=call_cost, prefill_chunk=chunk,
-                                           window_buckets=(64, 128)))
+                                           window_buckets=(64, 128)), mesh=mesh)
     put, parts = sampler._put_rows, []
     sampler._put_rows = lambda state, part, rows: parts.append(len(rows)) or put(state, part, rows)
     rs = np.random.RandomState(0)
@@ -84,3 +89,13 @@ def test_chunked_prefill_gives_the_samples_and_caches_of_one_block(model):
 def test_prefill_chunk_must_be_a_token_bucket(model):
     with pytest.raises(Exception, match="prefill_chunk=48 is not one of token_buckets"):
         Sampler(model, SamplerConfig(prefill_chunk=48))
+
+
+def test_parts_and_chunks_on_a_mesh(model, model_dir):
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
+    mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])  # parts are multiples of 2 rows
+    sharded = _two_turns(hf.load_model(model_dir, mesh=mesh), call_cost=1, sampling=sampling, chunk=16, mesh=mesh)
+    whole = _two_turns(model, call_cost=0, sampling=sampling)
+    assert [r.tokens for r in sharded[:2]] == [r.tokens for r in whole[:2]]
+    np.testing.assert_array_equal(sharded[2], whole[2])
+    assert len(sharded[3]) >= 3  # it did split
