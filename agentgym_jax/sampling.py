@@ -26,8 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax import compile_stats, ragged_prefill, sharding
-from agentgym_jax.attention import KEY_SLOT_AXIS, VALUE_SLOT_AXIS
+from agentgym_jax import compile_stats, prefill, sharding
 from agentgym_jax.buckets import bucket
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.model import DecoderLM, KVCache, to_dtype
@@ -128,7 +127,7 @@ def _generate_program(
     batch = new_tokens.shape[0]
     capacity = cache.capacity
     rows = jnp.arange(batch)
-    full_cache, cache = cache, _window_view(cache, window)
+    full_cache, cache = cache, prefill.window_view(cache, window)
 
     # Prefill: write the new tokens, then read the logits at each row's last new token.
     hidden, cache = model.forward(new_tokens, cache=cache)
@@ -181,40 +180,10 @@ def _generate_program(
                     logprobs=logprobs, count=count, recent=recent)
 
     out = jax.lax.while_loop(cond, body, carry)
-    return _write_back(full_cache, out["cache"]), out["tokens"], out["logprobs"], out["count"], out["reason"]
-
-
-def _window_view(cache: KVCache, window: int) -> KVCache:
-    """The cache's first ``window`` slots (the host chose ``window`` so that no row passes it in this call)."""
-    if window >= cache.capacity:
-        return cache
-    head = lambda x, axis: jax.lax.slice_in_dim(x, 0, window, axis=axis)  # noqa: E731
-    return dataclasses.replace(cache, keys=[head(k, KEY_SLOT_AXIS) for k in cache.keys],
-                               values=[head(v, VALUE_SLOT_AXIS) for v in cache.values])
-
-
-def _write_back(full: KVCache, view: KVCache) -> KVCache:
-    """``full`` with the updated window ``view`` written over its first slots (and ``view``'s lengths)."""
-    if view.capacity == full.capacity:
-        return view
-    put = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=axis)  # noqa: E731
-    return dataclasses.replace(
-        view, keys=[put(k, part, KEY_SLOT_AXIS) for k, part in zip(full.keys, view.keys)],
-        values=[put(v, part, VALUE_SLOT_AXIS) for v, part in zip(full.values, view.values)],
-    )
+    return prefill.write_back(full_cache, out["cache"]), out["tokens"], out["logprobs"], out["count"], out["reason"]
 
 
 PROGRAM_NAME = "_generate_program"
-
-
-@partial(jax.jit, static_argnames=("graphdef", "window"), donate_argnames=("cache",))
-def _prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengths: jax.Array, *, graphdef: Any,
-                     window: int):
-    """Writes each row's new tokens into its cache without sampling (rows with length 0 are untouched),
-    attending over the first ``window`` slots."""
-    model = nnx.merge(graphdef, state)
-    _, view = model.forward(new_tokens, cache=_window_view(cache, window))
-    return _write_back(cache, dataclasses.replace(view, lengths=view.lengths + new_lengths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,12 +204,10 @@ class SamplerConfig:
     # smallest bucket >= the longest length any row can reach in that call (else the whole cache). Decode
     # reads and scores W slots instead of cache_length, at the cost of one program per window bucket used.
     window_buckets: tuple[int, ...] = ()
-    # Ragged prefill (agentgym_jax.ragged_prefill): rows of very different lengths are prefilled in length-sorted
-    # parts when that computes fewer positions, each extra part priced as this many positions (0: never split).
+    # agentgym_jax.prefill: rows of very different lengths are prefilled in length-sorted parts when that computes
+    # fewer positions, an extra part priced as this many (0: never split); prompts longer than prefill_chunk (one
+    # of token_buckets; 0: no chunks) go in chunks of it: 300 tokens compute 128 + 128 + 64, not a 512 bucket.
     prefill_call_cost: int = 256
-    # Prompts longer than this are written in chunks of it (the rest padded to a token bucket), so a 300-token
-    # prompt computes 128 + 128 + 64 positions rather than a 512 bucket, from two compiled shapes; 0: one block.
-    # Must be one of token_buckets.
     prefill_chunk: int = 128
 
 
@@ -426,11 +393,11 @@ class Sampler:
 
     def _prefill_plan(self, lengths: np.ndarray, batch: int) -> tuple[int, list[list[int]] | None]:
         """Positions computed to prefill ``lengths`` into ``batch`` rows, and how: one block over every row
-        (None), or length-sorted parts of the rows (agentgym_jax.ragged_prefill) when those compute fewer."""
+        (None), or length-sorted parts of the rows (agentgym_jax.prefill) when those compute fewer."""
         block = batch * self._prefill_positions(int(lengths.max(initial=0)))
         if not self.config.prefill_call_cost or int((lengths > 0).sum()) < 2:
             return block, None
-        parts, cost = ragged_prefill.plan_parts(lengths.tolist(), self._prefill_positions, self.batch_bucket,
+        parts, cost = prefill.plan_parts(lengths.tolist(), self._prefill_positions, self.batch_bucket,
                                                 self.config.prefill_call_cost)
         return (cost, parts) if len(parts) > 1 and cost < block else (block, None)
 
@@ -439,7 +406,7 @@ class Sampler:
         index = np.full((part.batch_size,), state.batch_size, np.int32)  # out of range: not written
         index[: len(rows)] = rows
         with sharding.use_mesh(self.mesh):
-            cache = ragged_prefill.put_rows_program(state.cache, part.cache, jnp.asarray(index))
+            cache = prefill.put_rows_program(state.cache, part.cache, jnp.asarray(index))
         lengths = state.lengths.copy()
         lengths[list(rows)] = part.lengths[: len(rows)]
         state.cache = None  # donated
@@ -467,7 +434,8 @@ class Sampler:
             if self.mesh is not None:
                 tokens = jax.device_put(tokens, sharding.named_sharding(self.mesh, "tokens"))
                 counts = jax.device_put(counts, sharding.named_sharding(self.mesh, "rows"))
-            cache = _prefill_program(self.state, state.cache, tokens, counts, graphdef=self.graphdef, window=window)
+            cache = prefill.prefill_program(self.state, state.cache, tokens, counts, graphdef=self.graphdef,
+                                             window=window)
         state.cache = None  # donated
         return SamplerState(cache=cache, lengths=state.lengths + lengths)
 

@@ -1,4 +1,6 @@
-"""Ragged prefill: rows of very different lengths computed in length-sorted parts, not one padded block.
+"""Prefill: the program that writes prompt tokens into the KV cache over a live window, and ragged prefill.
+
+Ragged prefill: rows of very different lengths computed in length-sorted parts, not one padded block.
 
 A prefill (or the prompt part of a generate call) computes ``batch bucket x token bucket`` positions. When one row
 brings 370 new tokens and eleven others 150, one padded block is 16 x 512 = 8192 positions for about 2000 real
@@ -12,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
+from flax import nnx
 
 from agentgym_jax import sharding
+from agentgym_jax.attention import KEY_SLOT_AXIS, VALUE_SLOT_AXIS
 from agentgym_jax.model import KVCache
 
 Sizer = Callable[[int], int]
@@ -49,3 +53,33 @@ def put_rows_program(cache: KVCache, part: KVCache, index: jax.Array) -> KVCache
     return dataclasses.replace(cache, keys=[put(k, p) for k, p in zip(cache.keys, part.keys)],
                                values=[put(v, p) for v, p in zip(cache.values, part.values)],
                                lengths=cache.lengths.at[index].set(part.lengths, mode="drop"))
+
+
+@partial(jax.jit, static_argnames=("graphdef", "window"), donate_argnames=("cache",))
+def prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengths: jax.Array, *, graphdef: Any,
+                    window: int):
+    """Writes each row's new tokens into its cache without sampling (rows with length 0 are untouched),
+    attending over the first ``window`` slots."""
+    model = nnx.merge(graphdef, state)
+    _, view = model.forward(new_tokens, cache=window_view(cache, window))
+    return write_back(cache, dataclasses.replace(view, lengths=view.lengths + new_lengths))
+
+
+def window_view(cache: KVCache, window: int) -> KVCache:
+    """The cache's first ``window`` slots (the host chose ``window`` so that no row passes it in this call)."""
+    if window >= cache.capacity:
+        return cache
+    head = lambda x, axis: jax.lax.slice_in_dim(x, 0, window, axis=axis)  # noqa: E731
+    return dataclasses.replace(cache, keys=[head(k, KEY_SLOT_AXIS) for k in cache.keys],
+                               values=[head(v, VALUE_SLOT_AXIS) for v in cache.values])
+
+
+def write_back(full: KVCache, view: KVCache) -> KVCache:
+    """``full`` with the updated window ``view`` written over its first slots (and ``view``'s lengths)."""
+    if view.capacity == full.capacity:
+        return view
+    put = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=axis)  # noqa: E731
+    return dataclasses.replace(
+        view, keys=[put(k, part, KEY_SLOT_AXIS) for k, part in zip(full.keys, view.keys)],
+        values=[put(v, part, VALUE_SLOT_AXIS) for v, part in zip(full.values, view.values)],
+    )

@@ -1,10 +1,10 @@
-"""Ragged prefill: length-sorted parts cost fewer positions and leave the same caches and samples as one block."""
+"""Prefill: length-sorted parts and chunks cost fewer positions and leave the same caches and samples as one block."""
 
 import jax
 import numpy as np
 import pytest
 
-from agentgym_jax import hf, ragged_prefill, sharding
+from agentgym_jax import hf, prefill, sharding
 from agentgym_jax.buckets import bucket
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from tests.tiny_models import make_hf_model
@@ -17,7 +17,7 @@ rows = lambda n: bucket(n, BATCH_BUCKETS)  # noqa: E731
 
 def test_one_long_prompt_among_short_ones_is_prefilled_apart():
     lengths = [150] * 5 + [370] + [150] * 6  # the demo's shape: 12 task prompts, one much longer
-    parts, cost = ragged_prefill.plan_parts(lengths, tokens, rows, call_cost=256)
+    parts, cost = prefill.plan_parts(lengths, tokens, rows, call_cost=256)
     # the long one alone; the eleven others as 8 + 3 rows (11 would pad to a batch of 16)
     assert parts[0] == [5] and sorted(len(p) for p in parts) == [1, 3, 8]
     assert sorted(r for p in parts for r in p) == list(range(12))
@@ -26,13 +26,13 @@ def test_one_long_prompt_among_short_ones_is_prefilled_apart():
 
 
 def test_even_or_empty_rows_are_not_split():
-    assert ragged_prefill.plan_parts([100] * 8, tokens, rows, 256) == ([list(range(8))], 8 * 128 + 256)
-    assert ragged_prefill.plan_parts([0, 0, 7, 0], tokens, rows, 1)[0] == [[2]]
-    assert ragged_prefill.plan_parts([0, 0], tokens, rows, 1) == ([], 0)
+    assert prefill.plan_parts([100] * 8, tokens, rows, 256) == ([list(range(8))], 8 * 128 + 256)
+    assert prefill.plan_parts([0, 0, 7, 0], tokens, rows, 1)[0] == [[2]]
+    assert prefill.plan_parts([0, 0], tokens, rows, 1) == ([], 0)
     # a higher call price buys fewer parts
     lengths = [300, 200, 120, 60, 30, 10, 3, 1]
-    assert len(ragged_prefill.plan_parts(lengths, tokens, rows, 1)[0]) > len(
-        ragged_prefill.plan_parts(lengths, tokens, rows, 5000)[0]) == 1
+    assert len(prefill.plan_parts(lengths, tokens, rows, 1)[0]) > len(
+        prefill.plan_parts(lengths, tokens, rows, 5000)[0]) == 1
 
 
 @pytest.fixture(scope="module")
