@@ -339,8 +339,9 @@ class Learner:
         # however many processes hold them
         real_rows = np.concatenate(distributed.allgather(prepared.loss_mask.any(axis=-1), "real rows"))
         group_ids = np.asarray(batch.group_ids)
-        global_groups = np.concatenate(distributed.allgather(group_ids, "group ids")) if self._processes > 1 \
-            else group_ids
+        global_groups = group_ids
+        if self.config.group_minibatches and self._processes > 1:  # only whole-group dealing reads them
+            global_groups = np.concatenate(distributed.allgather(group_ids, "group ids"))
         step_metrics = []
         positions = 0
         with sharding.use_mesh(self.mesh):

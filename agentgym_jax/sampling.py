@@ -313,11 +313,7 @@ class Sampler:
             state = self.prefill(state, [ids[: heads[b]] if lengths[b] else None for b, ids in enumerate(rows)])
             rows = [ids[heads[b]:] if lengths[b] else [] for b, ids in enumerate(rows)]
             lengths = np.minimum(lengths, 1)
-        width = self._token_bucket(int(lengths.max(initial=0)))
-        token_array = np.zeros((batch, width), np.int32)
-        for b, ids in enumerate(rows):
-            if lengths[b]:
-                token_array[b, : lengths[b]] = ids
+        token_array = self._right_padded(rows, lengths)
         max_new = bucket(max(p.max_new_tokens for p in per_row), self.config.new_token_buckets)
         window = self.window(state.lengths, lengths, [p.max_new_tokens for p in per_row])
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in per_row)
@@ -383,6 +379,13 @@ class Sampler:
     def _token_bucket(self, length: int) -> int:
         return bucket(max(1, length), self.config.token_buckets)
 
+    def _right_padded(self, rows: Sequence[Sequence[int]], lengths: np.ndarray) -> np.ndarray:
+        """[B, token bucket] int32: row b's first ``lengths[b]`` ids, zeros after (a row of length 0 is empty)."""
+        array = np.zeros((len(rows), self._token_bucket(int(lengths.max(initial=0)))), np.int32)
+        for b, ids in enumerate(rows):
+            array[b, : lengths[b]] = ids[: lengths[b]]
+        return array
+
     def _prefill_positions(self, length: int) -> int:
         """Positions per row that prefilling ``length`` tokens computes (chunks, then the rest's bucket)."""
         chunk = self.config.prefill_chunk
@@ -398,7 +401,7 @@ class Sampler:
         if not self.config.prefill_call_cost or int((lengths > 0).sum()) < 2:
             return block, None
         parts, cost = prefill.plan_parts(lengths.tolist(), self._prefill_positions, self.batch_bucket,
-                                                self.config.prefill_call_cost)
+                                         self.config.prefill_call_cost)
         return (cost, parts) if len(parts) > 1 and cost < block else (block, None)
 
     def _put_rows(self, state: SamplerState, part: SamplerState, rows: Sequence[int]) -> SamplerState:
@@ -424,10 +427,7 @@ class Sampler:
         """One prefill program over every row of ``state``, padded to the longest of ``rows``."""
         rows = rows + [[]] * (state.batch_size - len(rows))
         lengths = np.array([len(t) for t in rows], np.int64)
-        width = self._token_bucket(int(lengths.max(initial=0)))
-        token_array = np.zeros((state.batch_size, width), np.int32)
-        for b, ids in enumerate(rows):
-            token_array[b, : lengths[b]] = ids
+        token_array = self._right_padded(rows, lengths)
         window = self.window(state.lengths, lengths, [0] * state.batch_size, powers_of_two=True)
         with sharding.use_mesh(self.mesh):
             tokens, counts = jnp.asarray(token_array), jnp.asarray(lengths.astype(np.int32))
