@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from agentgym_jax.errors import ConfigError
+from agentgym_jax.mixed_matmul import mixed_dot
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -74,10 +75,10 @@ class Linear(nnx.Module):
 
 
 def _dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``x @ kernel`` accumulated in fp32, in ``x``'s dtype. Asking for the fp32 result is what lets XLA's CPU
-    backend use its native bf16 kernels (a bf16-output dot is computed by upcasting both sides); elsewhere it is
-    what the hardware does anyway."""
-    return jnp.dot(x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
+    """``x @ kernel`` accumulated in fp32, in ``x``'s dtype, its gradients' products too (:mod:`mixed_matmul`).
+    Asking for the fp32 result is also what lets XLA's CPU backend use its native bf16 kernels (a bf16-output dot
+    is computed by upcasting both sides)."""
+    return mixed_dot(x, kernel)
 
 
 def is_adapter_path(path: str) -> bool:

@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from agentgym_jax.mixed_matmul import mixed_dot
 from agentgym_jax.registry import Registry
 
 Array = jax.Array
@@ -302,7 +303,7 @@ def chunked_logprobs_and_entropy(
     @jax.checkpoint
     def one_chunk(args: tuple[Array, Array]) -> tuple[Array, Array]:
         hidden_chunk, target_chunk = args
-        logits = jnp.einsum("btd,dv->btv", hidden_chunk, unembedding, preferred_element_type=jnp.float32)
+        logits = mixed_dot(hidden_chunk, unembedding, out_dtype=jnp.float32)
         return logprobs_from_logits(logits, target_chunk), entropy_from_logits(logits)
 
     hidden_chunks = hidden.reshape(batch, num_chunks, chunk_size, -1).swapaxes(0, 1)

@@ -28,6 +28,7 @@ from agentgym_jax import attention, sharding
 from agentgym_jax.attention import Segments
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.lora import Linear, check_lora
+from agentgym_jax.mixed_matmul import mixed_dot
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -302,8 +303,8 @@ class Embedding(nnx.Module):
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         """Logits of a tied head: ``hidden @ weight.T``."""
-        return jnp.einsum("bsd,vd->bsv", hidden, self.weight[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return mixed_dot(hidden.astype(self.dtype), self.weight[...].astype(self.dtype), transposed=True,
+                         out_dtype=jnp.float32)
 
 
 def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rngs, name: str = "") -> Linear:

@@ -16,6 +16,7 @@ from agentgym_jax import losses
 from agentgym_jax.buckets import bucket
 from agentgym_jax.critic import Critic
 from agentgym_jax.learner_config import LearnerConfig
+from agentgym_jax.mixed_matmul import mixed_dot
 from agentgym_jax.model import DecoderLM, Segments, to_dtype
 
 Array = jax.Array
@@ -116,7 +117,7 @@ def selected_logprobs(hidden: Array, tokens: Array, head: Array, positions: Arra
             jnp.pad(before, ((0, 0), (0, pad), (0, 0))), head, jnp.pad(targets, ((0, 0), (0, pad))), chunk_size)
         logp, entropy = logp[:, : positions.shape[1]], entropy[:, : positions.shape[1]]
     else:
-        logits = jnp.einsum("bkd,dv->bkv", before, head, preferred_element_type=jnp.float32)
+        logits = mixed_dot(before, head, out_dtype=jnp.float32)
         logp, entropy = losses.logprobs_from_logits(logits, targets), losses.entropy_from_logits(logits)
     logp, entropy = jnp.where(valid, logp, 0.0), jnp.where(valid, entropy, 0.0)
     rows = jnp.arange(tokens.shape[0])[:, None]

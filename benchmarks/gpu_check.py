@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from agentgym_jax import compile_stats
 from benchmarks.common import RESULTS_DIR
 
 SHAPES = {  # Qwen2.5-1.5B's dimensions, and a tiny one for checking the script on a CPU
@@ -62,6 +63,7 @@ def _median_seconds(fn, repeats: int = 3) -> tuple[float, float]:
     start = time.perf_counter()
     fn()
     first = time.perf_counter() - start
+    print(f"  first call {first:.1f} s", flush=True)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -77,8 +79,10 @@ def sampler_ours(model_dir: Path, prompts: list[list[int]]) -> dict[str, float]:
     from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 
     model = hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16")
+    # One prefill block (prefill_chunk=0): on a GPU a 512-token prompt is one matmul-bound call, and chunks would
+    # only add programs to compile.
     sampler = Sampler(model, SamplerConfig(cache_length=1024, cache_dtype="bfloat16",
-                                           window_buckets=(256, 512, 768)))
+                                           window_buckets=(256, 512, 768), prefill_chunk=0))
 
     def run() -> None:
         state = sampler.new_state(len(prompts))
@@ -86,8 +90,10 @@ def sampler_ours(model_dir: Path, prompts: list[list[int]]) -> dict[str, float]:
                                      SamplingParams(temperature=0.0, max_new_tokens=NEW))
         assert all(len(t) == NEW for t in result.tokens)
 
+    compiled = compile_stats.total_compile_seconds()
     first, seconds = _median_seconds(run)
-    return {"tokens_per_s": len(prompts) * NEW / seconds, "seconds": seconds, "first_call_s": first}
+    return {"tokens_per_s": len(prompts) * NEW / seconds, "seconds": seconds, "first_call_s": first,
+            "xla_compile_s": compile_stats.total_compile_seconds() - compiled}
 
 
 def sampler_torch(model_dir: Path, prompts: list[list[int]], device: str) -> dict[str, float]:
@@ -137,8 +143,10 @@ def train_ours(model_dir: Path, dims: dict[str, Any]) -> dict[str, float]:
         learner.update(batch, jax.random.PRNGKey(0))
         jax.block_until_ready(learner.policy_state)
 
+    compiled = compile_stats.total_compile_seconds()
     first, seconds = _median_seconds(run)
-    return {"step_s": seconds, "first_call_s": first}
+    return {"step_s": seconds, "first_call_s": first,
+            "xla_compile_s": compile_stats.total_compile_seconds() - compiled}
 
 
 def train_torch(model_dir: Path, dims: dict[str, Any], device: str) -> dict[str, float]:
@@ -181,35 +189,54 @@ def main(argv: list[str] | None = None) -> None:
     import jax
     import torch
 
+    compile_stats.install()
     wall = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    payload: dict[str, Any] = {
+        "shape": args.shape, "device": str(jax.devices()[0].device_kind), "torch_device": device,
+        "peak_tflops_assumed": args.peak_tflops, "complete": False,
+        "definition": (f"sampler: greedy, {PROMPT}-token prompts, {NEW} new tokens, bf16; train: {TRAIN_ROWS} x "
+                       f"{TRAIN_LEN} tokens, bf16 compute, fp32 master, remat; medians of 3 after a compiling call"),
+        "versions": {"jax": jax.__version__, "torch": torch.__version__},
+    }
+
+    def save() -> None:  # after every section, so that a run cut short still leaves what it measured
+        payload["seconds"] = time.perf_counter() - wall
+        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"[{payload['seconds']:.0f} s] wrote {args.out}", flush=True)
+
     with tempfile.TemporaryDirectory(prefix="agentgym-gpu-check-") as scratch:
         model_dir = Path(scratch) / "model"
-        dims = save_random_model(args.shape, model_dir)
+        payload["dims"] = dims = save_random_model(args.shape, model_dir)
         rs = np.random.RandomState(1)
-        sampler = []
-        for batch in args.batch:
+        payload["sampler"] = sampler = []
+
+        def measure_sampler(batch: int) -> None:
             prompts = rs.randint(10, dims["vocab_size"] - 10, (batch, PROMPT)).tolist()
             ours, theirs = sampler_ours(model_dir, prompts), sampler_torch(model_dir, prompts, device)
             sampler.append({"batch": batch, "ours": ours, "transformers": theirs,
                             "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"]})
             print(sampler[-1], flush=True)
+            save()
+
+        # The first batch, then the train step, then the other batches: a run cut short keeps one of each.
+        measure_sampler(args.batch[0])
         flops = model_flops(dims, TRAIN_ROWS, TRAIN_LEN)
-        ours, theirs = train_ours(model_dir, dims), train_torch(model_dir, dims, device)
         peak = args.peak_tflops * 1e12
-        train = {"ours": {**ours, "mfu": flops / ours["step_s"] / peak},
-                 "transformers": {**theirs, "mfu": flops / theirs["step_s"] / peak},
-                 "ratio_vs_torch": theirs["step_s"] / ours["step_s"], "model_flops_per_step": flops}
-    payload = {
-        "shape": args.shape, "dims": dims, "device": str(jax.devices()[0].device_kind), "torch_device": device,
-        "sampler": sampler, "train_step": train, "peak_tflops_assumed": args.peak_tflops,
-        "definition": (f"sampler: greedy, {PROMPT}-token prompts, {NEW} new tokens, bf16; train: {TRAIN_ROWS} x "
-                       f"{TRAIN_LEN} tokens, bf16 compute, fp32 master, remat; medians of 3 after a compiling call"),
-        "seconds": time.perf_counter() - wall,
-        "versions": {"jax": jax.__version__, "torch": torch.__version__},
-    }
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
-    print(args.out)
+        ours = train_ours(model_dir, dims)
+        payload["train_step"] = {"ours": {**ours, "mfu": flops / ours["step_s"] / peak},
+                                 "model_flops_per_step": flops}
+        print(payload["train_step"], flush=True)
+        save()
+        theirs = train_torch(model_dir, dims, device)
+        payload["train_step"].update(transformers={**theirs, "mfu": flops / theirs["step_s"] / peak},
+                                     ratio_vs_torch=theirs["step_s"] / ours["step_s"])
+        print(payload["train_step"], flush=True)
+        save()
+        for batch in args.batch[1:]:
+            measure_sampler(batch)
+    payload["complete"] = True
+    save()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""Matrix products in the compute dtype with fp32 accumulation, in the backward pass too.
+
+Every projection computes ``dot(x, w, preferred_element_type=float32)``. Left to autodiff, the backward pass gets
+the fp32 cotangent of that product and multiplies it with the bf16 operands: a mixed-dtype product, which XLA runs
+entirely in fp32. On a GPU that meant TF32 GEMMs for two thirds of a train step's matmul FLOPs (the gradients
+of inputs and weights; 42% of an H200 step, ``benchmarks/gpu_check``). :func:`mixed_dot` casts the cotangent to
+the operands' dtype first, as mixed-precision training does in torch's autocast, so both backward products are
+bf16 x bf16 with fp32 accumulation. With fp32 operands nothing changes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+    """fp32 ``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis."""
+    w_axis = 1 if transposed else 0
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mixed_dot(x: jax.Array, w: jax.Array, transposed: bool, out_dtype: np.dtype) -> jax.Array:
+    return _contract(x, w, transposed).astype(out_dtype)
+
+
+def _forward(x, w, transposed, out_dtype):
+    return _mixed_dot(x, w, transposed, out_dtype), (x, w)
+
+
+def _backward(transposed, out_dtype, residuals, cotangent):
+    x, w = residuals
+    g = cotangent.astype(x.dtype)  # the product's inputs were in x's dtype: so are its gradients' products
+    out_axis = 0 if transposed else 1  # w's output-feature axis
+    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (out_axis,)), ((), ())), preferred_element_type=jnp.float32)
+    leading = tuple(range(x.ndim - 1))
+    if transposed:  # dw [N, K] = g^T x
+        dw = jax.lax.dot_general(g, x, ((leading, leading), ((), ())), preferred_element_type=jnp.float32)
+    else:  # dw [K, N] = x^T g
+        dw = jax.lax.dot_general(x, g, ((leading, leading), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_mixed_dot.defvjp(_forward, _backward)
+
+
+def mixed_dot(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype: object = None) -> jax.Array:
+    """``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis, accumulated in fp32 and returned in
+    ``out_dtype`` (default ``x``'s); the gradients' products run in ``x``'s dtype with fp32 accumulation too.
+    ``x`` and ``w`` must share a dtype (cast ``w`` to the compute dtype first)."""
+    if x.dtype != w.dtype:
+        raise TypeError(f"mixed_dot needs operands of one dtype, got {x.dtype} and {w.dtype}")
+    return _mixed_dot(x, w, transposed, np.dtype(out_dtype or x.dtype))
