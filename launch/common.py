@@ -4,7 +4,8 @@ Every launcher runs through :func:`run`: flag and config mistakes (an unknown ``
 missing or broken config file, a missing required flag) and ``AgentGymError`` s print ``error: <message>`` and
 exit with status 2. Logs show warnings and errors by default; ``--verbosity=0`` brings back INFO lines (e.g.
 orbax's per-save messages), ``--verbosity=1`` debug lines. Before anything runs, glibc is told to hand large freed
-buffers back to the system (:mod:`agentgym_jax.allocator`).
+buffers back to the system (:mod:`agentgym_jax.allocator`), and compiled programs are kept for the next run
+(:mod:`agentgym_jax.compilation_cache`; ``--compilation_cache_dir=off`` turns that off).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 
                                    "(default: $JAX_PROCESS_ID or the detected cluster).")
 _CONNECT_TIMEOUT = flags.DEFINE_integer("connect_timeout_s", 300, "How long a multi-process run's processes wait "
                                         "for each other to connect before giving up.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache_dir", None, "Where compiled XLA programs are kept for the next run (default: "
+    "~/.cache/agentgym_jax/xla, or xla/ under $AGENTGYM_JAX_CACHE); 'off' compiles everything afresh.")
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout_s", 30, "A multi-process run stops within about this many "
                                   "seconds when one of its processes dies or cannot be reached.")
 
@@ -90,6 +94,10 @@ def run_main(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
     def wrapped(argv: list[str]) -> None:
         try:
             _connect_processes()
+            if _COMPILATION_CACHE.value != "off":
+                from agentgym_jax import compilation_cache
+
+                compilation_cache.enable(_COMPILATION_CACHE.value)
             main(argv)
         except AgentGymError as error:
             _exit_with(str(error))
