@@ -10,6 +10,7 @@ decoded and re-encoded. Each episode records why it ended: ``done`` (the environ
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 import zlib
@@ -23,6 +24,7 @@ from agentgym_jax.buckets import bucket
 from agentgym_jax.chat import ChatTokenizer
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.sampling import Sampler, SamplingParams, StopReason
+from agentgym_jax.shared_prompts import SharedOpening, prefill_shared_prompts
 
 END_DONE, END_HORIZON, END_BUDGET, END_ENV_ERROR = "done", "horizon", "budget", "env_error"
 END_REASONS = (END_DONE, END_HORIZON, END_BUDGET, END_ENV_ERROR)
@@ -47,6 +49,9 @@ class RolloutConfig:
     # for the slowest; continuous=True refills a finished episode's row with the next queued episode instead.
     max_rows: int = 0
     continuous: bool = False
+    # continuous only: the rows' two halves take turns, one sampling while the environments step the other's
+    # actions (_play_continuous); for environments whose steps take about as long as a sampler call
+    async_env_steps: bool = False
 
     def validate(self) -> None:
         if self.max_turn_tokens < 1:
@@ -56,6 +61,9 @@ class RolloutConfig:
         SamplingParams(self.temperature, self.top_p, self.top_k, self.max_turn_tokens).validate()
         if self.max_rows < 0:
             raise ConfigError(f"rollout.max_rows must be >= 0 (0: every episode at once), got {self.max_rows}")
+        if self.async_env_steps and not self.continuous:
+            raise ConfigError("rollout.async_env_steps needs rollout.continuous=True (lock-step rounds wait for "
+                              "every episode's answer anyway)")
 
 
 @dataclasses.dataclass
@@ -265,13 +273,13 @@ class _Turns:
         trajectory.state_keys.append(state_key(outcome.info, outcome.observation))
         return [int(t) for t in closing.ids[len(sampled):]] + [int(t) for t in turn.ids] + self.prefix_ids
 
-    def play_round(self, state: Any, trajectories: Sequence[Trajectory], active: Sequence[int],
-                   row_of: dict[int, int], pending: dict[int, list[int]], cached: dict[int, int],
-                   episode_keys: jax.Array) -> tuple[Any, list[int]]:
-        """One turn for each episode in ``active`` (trajectory indices, each in its sampler row): sample, record,
-        step the environments, read their answers. ``pending`` is updated with each continuing episode's next
-        prompt (``cached[i]`` leading ids of it already in the row); returns the state and the episodes that
-        ended in this turn."""
+    def sample_turn(self, state: Any, trajectories: Sequence[Trajectory], active: Sequence[int],
+                    row_of: dict[int, int], pending: dict[int, list[int]], cached: dict[int, int],
+                    episode_keys: jax.Array) -> tuple[Any, list[int], dict[int, str], dict[int, list[int]]]:
+        """One sampler call for the episodes in ``active`` (trajectory indices, each in its sampler row), which
+        records their turns. ``cached[i]``: leading ids of ``pending[i]`` already in the row. Returns the state,
+        the episodes that ended (cache full), the actions for the environment by episode id, and each episode's
+        sampled ids."""
         c = self.config
         rows: list[list[int] | None] = [None] * state.batch_size
         params = [SamplingParams(c.temperature, c.top_p, c.top_k, 1)] * state.batch_size
@@ -282,24 +290,41 @@ class _Turns:
             episode_of_row[row_of[i]] = i
         state, result = self.generate(state, rows, params, episode_keys[episode_of_row],
                                       np.array([trajectories[i].turns for i in episode_of_row], np.int32))
-        ended, actions = [], {}
+        ended, actions, sampled = [], {}, {}
         for i in active:
             row = row_of[i]
-            action = self.record(trajectories[i], pending.pop(i), result.tokens[row], result.logprobs[row],
+            sampled[i] = result.tokens[row]
+            action = self.record(trajectories[i], pending.pop(i), sampled[i], result.logprobs[row],
                                  result.stop_reasons[row])
             if action is None:
                 ended.append(i)
             else:
                 actions[trajectories[i].episode_id] = action
-        by_episode = {trajectories[i].episode_id: i for i in active}
-        for episode_id, outcome in self.step(actions).items():
+        return state, ended, actions, sampled
+
+    def apply_answers(self, trajectories: Sequence[Trajectory], outcomes: dict[int, Any],
+                      sampled: dict[int, list[int]], pending: dict[int, list[int]]) -> list[int]:
+        """Reads the environment's answers (by episode id) into the episodes; puts each continuing episode's next
+        prompt in ``pending``; returns the episodes that ended."""
+        by_episode = {trajectories[i].episode_id: i for i in sampled}
+        ended = []
+        for episode_id, outcome in outcomes.items():
             i = by_episode[episode_id]
-            following = self.answer(trajectories[i], outcome, result.tokens[row_of[i]])
+            following = self.answer(trajectories[i], outcome, sampled[i])
             if following is None:
                 ended.append(i)
             else:
                 pending[i] = following
-        return state, ended
+        return ended
+
+    def play_round(self, state: Any, trajectories: Sequence[Trajectory], active: Sequence[int],
+                   row_of: dict[int, int], pending: dict[int, list[int]], cached: dict[int, int],
+                   episode_keys: jax.Array) -> tuple[Any, list[int]]:
+        """One whole turn for each episode in ``active``: sample, step the environments, read their answers.
+        Returns the state and the episodes that ended in this turn."""
+        state, ended, actions, sampled = self.sample_turn(state, trajectories, active, row_of, pending, cached,
+                                                          episode_keys)
+        return state, ended + self.apply_answers(trajectories, self.step(actions), sampled, pending)
 
     def finish(self, trajectories: Sequence[Trajectory]) -> None:
         for trajectory in trajectories:
@@ -314,7 +339,7 @@ def _play_lockstep(turns: _Turns, trajectories: list[Trajectory], episode_keys: 
     from the sampler batch when few remain; the samples of a task share one prefill of their prompt."""
     config, sampler = turns.config, turns.sampler
     pending = {i: ids for i, ids in enumerate(turns.reset(trajectories)) if ids is not None}
-    state, cached = _prefill_shared_prompts(sampler, pending, len(trajectories))
+    state, cached = prefill_shared_prompts(sampler, pending, len(trajectories))
     row_of = {index: index for index in range(len(trajectories))}  # trajectory -> sampler row
     for round_index in range(turns.horizon):
         active = [i for i in pending if not trajectories[i].end_reason and turns.fits(trajectories[i], pending[i])]
@@ -333,69 +358,92 @@ def _play_lockstep(turns: _Turns, trajectories: list[Trajectory], episode_keys: 
 def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys: jax.Array,
                      progress: Callable[[int, int, int], None] | None) -> None:
     """Episodes queue for ``config.max_rows`` sampler rows (all at once when 0): each round, free rows take the
-    next queued episodes (reset, and their prompt written into the row's emptied cache), then every episode in a
-    row takes a turn. A finished episode frees its row (and its environment episode) at once, so no row waits
-    for the slowest episode of a round."""
+    next queued episodes (reset, and their prompt written into the row's emptied cache), then the episodes in
+    rows take a turn. A finished episode frees its row (and its environment episode) at once, so no row waits
+    for the slowest episode of a round.
+
+    With ``config.async_env_steps`` the rows form two halves, each its own sampler batch, that take turns: while
+    the environments step one half's actions (in a background thread; the pool serves one call at a time), the
+    sampler generates for the other half. It pays where an environment step takes about as long as a half-batch
+    sampler call (web pages, remote servers); with millisecond environments it only halves the sampler batch."""
     sampler = turns.sampler
-    state = sampler.new_state(min(turns.config.max_rows or len(trajectories), len(trajectories)))
+    rows = min(turns.config.max_rows or len(trajectories), len(trajectories))
+    halves = 2 if turns.config.async_env_steps and rows > 1 else 1  # row r is row r // halves of states[r % halves]
+    states = [sampler.new_state(len(range(h, rows, halves))) for h in range(halves)]
     queue = collections.deque(range(len(trajectories)))
-    free_rows = list(range(state.batch_size))
+    free_rows = list(range(rows))
     row_of: dict[int, int] = {}  # playing episode -> its row
     pending: dict[int, list[int]] = {}
-    opening = _SharedOpening()
+    opening = SharedOpening()
     cached: dict[int, int] = {}  # episode -> leading ids of its pending prompt already in its row
-    round_index = 0
-    while queue or row_of:
-        admitted = [(queue.popleft(), free_rows.pop(0)) for _ in range(min(len(queue), len(free_rows)))]
-        if admitted:
-            prompts = turns.reset([trajectories[i] for i, _ in admitted])
-            opened = [(i, row, ids) for (i, row), ids in zip(admitted, prompts) if ids is not None]
-            free_rows += [row for (i, row), ids in zip(admitted, prompts) if ids is None]
-            turns.finish([trajectories[i] for (i, _), ids in zip(admitted, prompts) if ids is None])
-            state = sampler.clear_rows(state, [row for _, row, _ in opened])
-            state, shared = opening.fill(sampler, state, [(row, ids) for _, row, ids in opened])
-            for (i, row, ids), length in zip(opened, shared):
-                row_of[i], pending[i], cached[i] = row, ids, length
-        ended = [i for i in row_of if not turns.fits(trajectories[i], pending[i])]
-        active = [i for i in row_of if i not in ended]
-        if active:
-            state, finished_now = turns.play_round(state, trajectories, active, row_of, pending, cached, episode_keys)
-            ended += finished_now
-        for i in ended:  # free the row for the next queued episode, and the environment's episode
+    executor = concurrent.futures.ThreadPoolExecutor(1, "env-steps") if halves == 2 else None
+    in_flight: tuple[concurrent.futures.Future, dict[int, list[int]]] | None = None  # env steps running now
+
+    def settle() -> list[int]:
+        """Waits for the environment steps in flight and reads their answers; the episodes that ended."""
+        nonlocal in_flight
+        if in_flight is None:
+            return []
+        (future, sampled), in_flight = in_flight, None
+        t0 = time.perf_counter()
+        outcomes = future.result()
+        turns.stats.env_s += time.perf_counter() - t0  # the time the loop waited, not the overlapped time
+        turns.stats.env_steps += len(outcomes)
+        return turns.apply_answers(trajectories, outcomes, sampled, pending)
+
+    def release(ended: list[int]) -> None:  # frees each row for the next queued episode, and its env episode
+        for i in ended:
             free_rows.append(row_of.pop(i))
             pending.pop(i, None)
         turns.finish([trajectories[i] for i in ended])
-        round_index += 1
-        if progress is not None:
-            finished = sum(1 for t in trajectories if t.end_reason)
-            progress(round_index, len(row_of), finished)
 
+    def admit() -> None:
+        admitted = [(queue.popleft(), free_rows.pop(0)) for _ in range(min(len(queue), len(free_rows)))]
+        prompts = turns.reset([trajectories[i] for i, _ in admitted])
+        free_rows.extend(row for (i, row), ids in zip(admitted, prompts) if ids is None)
+        turns.finish([trajectories[i] for (i, _), ids in zip(admitted, prompts) if ids is None])
+        for h in range(halves):
+            opened = [(i, row, ids) for (i, row), ids in zip(admitted, prompts)
+                      if ids is not None and row % halves == h]
+            if opened:
+                states[h] = sampler.clear_rows(states[h], [row // halves for _, row, _ in opened])
+                states[h], shared = opening.fill(sampler, states[h], [(row // halves, ids) for _, row, ids in opened])
+                for (i, row, ids), length in zip(opened, shared):
+                    row_of[i], pending[i], cached[i] = row, ids, length
 
-class _SharedOpening:
-    """The opening every episode's first prompt shares (system prompt, instruction), prefilled once into a
-    one-row cache and copied into each row a new episode takes, so only the rest of its prompt is computed."""
-
-    MIN_TOKENS = 16  # a shorter shared opening is not worth a copy
-
-    def __init__(self) -> None:
-        self.ids: list[int] | None = None
-        self.state: Any = None
-
-    def fill(self, sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]]) -> tuple[Any, list[int]]:
-        """Copies the opening into the (emptied) ``rows`` whose prompt starts with it; how many ids of each
-        prompt are in its row now (0 where it does not start with the opening)."""
-        if self.ids is None and rows:
-            prompts = [ids for _, ids in rows]
-            common = min(len(ids) for ids in prompts) - 1  # generate needs one new token to read logits from
-            common = next((n for n in range(common) if any(ids[n] != prompts[0][n] for ids in prompts)), common)
-            self.ids = prompts[0][:common] if common >= self.MIN_TOKENS else []
-            if self.ids:
-                self.state = sampler.prefill(sampler.new_state(1), [self.ids])
-        n = len(self.ids or ())
-        starts = [bool(n) and len(ids) > n and ids[:n] == self.ids for _, ids in rows]
-        if any(starts):
-            state = sampler.copy_row(self.state, 0, state, [row for (row, _), hit in zip(rows, starts) if hit])
-        return state, [n if hit else 0 for hit in starts]
+    round_index, half = 0, 0
+    try:
+        while queue or row_of:
+            if queue and free_rows:
+                release(settle())  # resets use the pool: the steps in flight finish first
+                admit()
+            waiting = set(in_flight[1]) if in_flight else set()
+            ready = [i for i in row_of if i not in waiting]
+            if halves == 2 and not any(row_of[i] % 2 == half for i in ready):
+                half = 1 - half  # this half has no episode ready: the other one samples
+            ready = [i for i in ready if row_of[i] % halves == half]
+            ended = [i for i in ready if not turns.fits(trajectories[i], pending[i])]
+            active = [i for i in ready if i not in ended]
+            actions: dict[int, str] = {}
+            if active:
+                local = {i: row_of[i] // halves for i in active}
+                states[half], finished_now, actions, sampled = turns.sample_turn(
+                    states[half], trajectories, active, local, pending, cached, episode_keys)
+                ended += finished_now
+            ended += settle()  # the other half's answers, stepped while this half sampled
+            release(ended)
+            if actions and executor is not None:
+                in_flight = (executor.submit(turns.pool.step, actions), sampled)
+            elif actions:
+                release(turns.apply_answers(trajectories, turns.step(actions), sampled, pending))
+            half = (half + 1) % halves
+            round_index += 1
+            if progress is not None:
+                finished = sum(1 for t in trajectories if t.end_reason)
+                progress(round_index, len(row_of), finished)
+    finally:
+        if executor is not None:
+            executor.shutdown(wait=True)  # nothing else may use the pool while a step is in flight
 
 
 @jax.jit
@@ -406,33 +454,6 @@ def _episode_keys(rng: jax.Array, episodes: jax.Array) -> jax.Array:
 @jax.jit
 def _turn_keys(episode_keys: jax.Array, turns: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(episode_keys, turns)
-
-
-def _prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], episodes: int) -> tuple[Any, dict[int, int]]:
-    """Writes shared prompt tokens into the cache once and forks them: the opening every episode shares (system
-    prompt and instruction) once per rollout, then each distinct first prompt (the samples of one task) once per
-    task, instead of once per episode.
-
-    Returns the sampler state and, per episode, how many of its pending ids are already in its cache row (all but
-    the last: the first ``generate`` call needs a new token to read logits from).
-    """
-    if not pending:
-        return sampler.new_state(episodes), {}
-    prompts = list(pending.values())
-    shortest = min(len(ids) for ids in prompts) - 1
-    common = 0
-    while common < shortest and all(ids[common] == prompts[0][common] for ids in prompts):
-        common += 1
-    distinct: dict[tuple[int, ...], int] = {}
-    source = {i: distinct.setdefault(tuple(ids), len(distinct)) for i, ids in pending.items()}
-    if len(distinct) == len(pending) and common < 2 * len(prompts[0]) // 5:
-        return sampler.new_state(episodes), {}  # too little shared to pay for the extra programs
-    state = sampler.new_state(1)
-    state = sampler.prefill(state, [prompts[0][:common]])
-    state = sampler.select_rows(state, [0] * len(distinct))
-    state = sampler.prefill(state, [list(ids[common:-1]) for ids in distinct])
-    state = sampler.select_rows(state, [source.get(i, 0) for i in range(episodes)])
-    return state, {i: len(ids) - 1 for i, ids in pending.items()}
 
 
 def pack_trajectories(

@@ -94,7 +94,7 @@ class Trainer:
             temperature=config.rollout.temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
             system_prompt=config.rollout.system_prompt or None, canned_reply=config.rollout.canned_reply,
             response_prefix=config.rollout.response_prefix, max_rows=config.rollout.max_rows,
-            continuous=config.rollout.continuous,
+            continuous=config.rollout.continuous, async_env_steps=config.rollout.async_env_steps,
         )
         self.signal_monitor = SignalMonitor()
         from environments.workers import EnvPool

@@ -1,12 +1,14 @@
 """Rollout-loop throughput: the demo config's training step, and continuous episodes against lock-step rounds.
 
-    python -m benchmarks.rollout [--part=all|step|loops] [--steps=3] [--repeats=3]
+    python -m benchmarks.rollout [--part=all|step|loops|async_env] [--steps=3] [--repeats=3]
 
 ``step``: ``--steps`` full training steps (rollout + update) of ``configs/cpu_demo.py`` after one warm-up step
 that compiles; medians over the timed steps. ``loops``: the demo's model and BabyAI GoTo tasks with a horizon of
 6 turns (episodes end at different turns), the same episodes played by continuous episodes and by lock-step
-rounds, interleaved, ``--repeats`` times each after a compiling warm-up; episodes/s medians. Each part updates
-its keys of benchmarks/results/rollout.json.
+rounds, interleaved, ``--repeats`` times each after a compiling warm-up; episodes/s medians. ``async_env``: the
+continuous loop with and without ``async_env_steps`` on BabyAI whose steps also wait ``--step_seconds``
+(``benchmarks/slow_env.py``: a page load or a remote server), 2 pool workers. Each part updates its keys of
+benchmarks/results/rollout.json.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from absl import app, flags
 from agentgym_jax import compile_stats
 from benchmarks.common import RESULTS_DIR, cpu_facts, median, peak_rss_mib, write_json
 
-_PART = flags.DEFINE_enum("part", "all", ["all", "step", "loops"], "What to measure.")
+_PART = flags.DEFINE_enum("part", "all", ["all", "step", "loops", "async_env"], "What to measure.")
+_STEP_SECONDS = flags.DEFINE_list("step_seconds", ["0", "0.5"], "Added seconds per env step (part async_env).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed training steps after the warm-up step.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rollouts per loop (part loops).")
 _ALL_ROWS = flags.DEFINE_bool("all_rows", True, "Also time lock-step rounds over all 32 rows at once (part loops).")
@@ -95,6 +98,60 @@ def measure_loops() -> dict:
     }
 
 
+def measure_async_env() -> dict:
+    """Episodes/s of the continuous loop with environment steps overlapping sampling (``async_env_steps``) and
+    without, on BabyAI steps that each take ``--step_seconds`` longer; the same episodes, interleaved."""
+    import dataclasses
+
+    import jax
+
+    from agentgym_jax.trainer import Trainer
+    from environments.workers import EnvPool
+
+    config = _demo_config()
+    config.data.dynamic_sampling = False
+    tasks_n, samples, rows, horizon, workers = 4, 4, 8, 3, 2
+    loops = {"sync": dict(continuous=True, max_rows=rows, async_env_steps=False),
+             "async": dict(continuous=True, max_rows=rows, async_env_steps=True)}
+    results = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer = Trainer(config, workdir)
+        own_pool = trainer.pool
+        try:
+            tasks = trainer.train_tasks[:tasks_n]
+            for step_seconds in [float(x) for x in _STEP_SECONDS.value]:
+                trainer.pool = EnvPool("babyai_slow", dict(config.env.kwargs, step_seconds=step_seconds),
+                                       num_workers=workers, import_modules=("benchmarks.slow_env",))
+                seconds: dict[str, list[float]] = {name: [] for name in loops}
+                waited: dict[str, list[float]] = {name: [] for name in loops}
+                try:
+                    for repeat in range(_REPEATS.value + 1):  # the first pass compiles every shape
+                        for name, settings in loops.items():
+                            trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **settings)
+                            _, stats = trainer.rollout(tasks, samples, horizon, jax.random.PRNGKey(repeat))
+                            total = stats.sampling_s + stats.env_s + stats.host_s
+                            print(f"step_seconds {step_seconds} pass {repeat} {name}: {total:.1f} s "
+                                  f"(env wait {stats.env_s:.1f} s, {stats.rounds} sampler calls)", flush=True)
+                            if repeat:
+                                seconds[name].append(total)
+                                waited[name].append(stats.env_s)
+                finally:
+                    trainer.pool.close()
+                rate = {name: tasks_n * samples / median(values) for name, values in seconds.items()}
+                results[str(step_seconds)] = {"episodes_per_s": rate, "async_vs_sync": rate["async"] / rate["sync"],
+                                              "seconds": seconds, "env_wait_s": waited}
+        finally:
+            trainer.pool = own_pool
+            trainer.close()
+    return {"async_env_vs_sync": {k: v["async_vs_sync"] for k, v in results.items()},
+            "async_env": {"workload": f"{tasks_n} BabyAI GoTo tasks x {samples} samples, horizon {horizon}, "
+                                      f"{rows} sampler rows, {workers} env workers; the demo's model; each env step "
+                                      "also waits step_seconds (the keys)",
+                          "by_step_seconds": results,
+                          "statistic": f"median of {_REPEATS.value} rollouts per loop, interleaved, after a "
+                                       "compiling pass"}}
+
+
 def measure_step() -> dict:
     from agentgym_jax.trainer import Trainer
 
@@ -146,6 +203,8 @@ def main(argv: list[str]) -> None:
         payload.update(measure_loops())
     if _PART.value in ("all", "step"):
         payload.update(measure_step())
+    if _PART.value in ("all", "async_env"):
+        payload.update(measure_async_env())
     payload.update({"peak_rss_mib": peak_rss_mib(), "machine": cpu_facts()})
     print(write_json("rollout", payload))
 

@@ -2,11 +2,13 @@
 
 Each episode has ``turns`` agent turns (with ``stop_on_hit``, it ends at its first scoring turn). A turn scores when the agent's reply starts (after spaces) with one of
 the letters a-m, any case; the episode's reward after each turn is the share of turns scored so far, and it ends
-after the last turn. A random policy scores around a third; a policy that learns scores 1.
+after the last turn. A random policy scores around a third; a policy that learns scores 1. ``step_seconds`` makes
+each step take that long (a slow environment: a page load, a remote server).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 from environments.base import Environment, StepResult, Task, check_split, register
@@ -18,8 +20,9 @@ GOOD = set("abcdefghijklmABCDEFGHIJKLM")
 class LettersEnvironment(Environment):
     name = "letters"
 
-    def __init__(self, turns: int = 2, num_train: int = 64, num_test: int = 16, stop_on_hit: bool = False):
-        self.turns, self.num_train, self.num_test = turns, num_train, num_test
+    def __init__(self, turns: int = 2, num_train: int = 64, num_test: int = 16, stop_on_hit: bool = False,
+                 step_seconds: float = 0.0):
+        self.turns, self.num_train, self.num_test, self.step_seconds = turns, num_train, num_test, step_seconds
         self.stop_on_hit = stop_on_hit  # end at the first scoring turn: episodes of varied length
         self._turn, self._hits = 0, 0
 
@@ -36,6 +39,7 @@ class LettersEnvironment(Environment):
         return f"Task {task_id}: say a word.", {"task_id": task_id}
 
     def step(self, action_text: str) -> StepResult:
+        time.sleep(self.step_seconds)
         self._turn += 1
         stripped = action_text.lstrip()
         hit = bool(stripped) and stripped[0] in GOOD

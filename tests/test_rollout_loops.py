@@ -1,9 +1,12 @@
 """The two rollout loops: lock-step rounds and continuous episodes (a finished episode's sampler row is refilled
-with the next queued one) play the same episodes, token for token, for a fixed seed."""
+with the next queued one, optionally with environment steps overlapping sampling) play the same episodes, token
+for token, for a fixed seed."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import jax
 import numpy as np
@@ -27,6 +30,7 @@ def trainer(tmp_path_factory):
 
 
 def _play(trainer, tasks, greedy, **rollout):
+    rollout.setdefault("async_env_steps", False)
     trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **rollout)
     trajectories, stats = trainer.rollout(tasks, 4, 5, jax.random.PRNGKey(11), greedy=greedy)
     return trajectories, stats
@@ -38,10 +42,11 @@ def test_continuous_episodes_play_the_lockstep_episodes(trainer, greedy):
     lockstep, lock_stats = _play(trainer, tasks, greedy, continuous=False, max_rows=0)
     continuous, cont_stats = _play(trainer, tasks, greedy, continuous=True, max_rows=8)
     waves, wave_stats = _play(trainer, tasks, greedy, continuous=False, max_rows=8)
+    overlapped, async_stats = _play(trainer, tasks, greedy, continuous=True, max_rows=8, async_env_steps=True)
     turns = [t.turns for t in lockstep]
     if not greedy:  # (the random model's greedy reply never scores: every greedy episode takes 5 turns)
         assert min(turns) < max(turns), turns  # episodes of different lengths
-    for other in (continuous, waves):
+    for other in (continuous, waves, overlapped):
         assert len(other) == len(lockstep)
         for mine, ref in zip(other, lockstep):
             assert (mine.task_id, mine.group_id, mine.turns, mine.end_reason) == (
@@ -51,7 +56,9 @@ def test_continuous_episodes_play_the_lockstep_episodes(trainer, greedy):
             np.testing.assert_allclose(mine.logprobs, ref.logprobs, atol=1e-4)
     # 8 rows for 24 episodes: the continuous loop refills rows instead of playing waves of 8, each waiting for its
     # slowest episode
-    assert cont_stats.generated_tokens == wave_stats.generated_tokens == lock_stats.generated_tokens
+    assert (cont_stats.generated_tokens == wave_stats.generated_tokens == lock_stats.generated_tokens
+            == async_stats.generated_tokens)
+    assert async_stats.env_steps == cont_stats.env_steps
     assert cont_stats.rounds <= wave_stats.rounds
     if not greedy:
         assert cont_stats.rounds < wave_stats.rounds, (cont_stats.rounds, wave_stats.rounds)
@@ -85,3 +92,47 @@ def test_negative_rows_are_refused():
 
     with pytest.raises(ConfigError, match="rollout.max_rows must be >= 0"):
         RolloutConfig(max_rows=-1).validate()
+
+
+def _intervals(real, log):
+    """``real``, logging each call's (start, end, thread name)."""
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            log.append((start, time.perf_counter(), threading.current_thread().name))
+    return timed
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_async_env_steps_run_while_the_sampler_generates(trainer, monkeypatch, asynchronous):
+    from environments.workers import EnvPool
+
+    slow = EnvPool("letters", dict(turns=3, step_seconds=0.05), num_workers=0, import_modules=("tests.synthetic_env",))
+    samples, steps, batch_sizes = [], [], []
+    generate = trainer.sampler.generate
+
+    def sizing_generate(state, *args, **kwargs):
+        batch_sizes.append(state.batch_size)
+        return generate(state, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "pool", slow)
+    monkeypatch.setattr(trainer.sampler, "generate", _intervals(sizing_generate, samples))
+    monkeypatch.setattr(slow, "step", _intervals(slow.step, steps))
+    try:
+        trajectories, stats = _play(trainer, trainer.train_tasks[:2], True, continuous=True, max_rows=8,
+                                    async_env_steps=asynchronous)
+    finally:
+        slow.close()
+    assert all(t.turns == 3 and t.end_reason == "done" for t in trajectories)
+    overlapping = [any(start < e_end and e_start < end for e_start, e_end, _ in steps) for start, end, _ in samples]
+    stepped = sum(end - start for start, end, _ in steps)
+    if asynchronous:  # the rows' halves alternate: 2 x 3 sampler calls, all but the first beside env steps
+        assert len(samples) == 6 and set(batch_sizes) == {4}  # each half is its own sampler batch
+        assert {name for *_, name in steps} == {"env-steps_0"}
+        assert overlapping == [False] + [True] * 5
+        assert stats.env_s < stepped  # the loop waited for less than the environments took
+    else:
+        assert len(samples) == 3 and set(batch_sizes) == {8} and not any(overlapping)

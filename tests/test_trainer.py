@@ -140,6 +140,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tiny_dir, tmp_path):
     (dict(model=dict(path="/nonexistent/model")), "model.path"),
     (dict(algo=dict(advantage_estimator="ppo2")), "advantage_estimator"),
     (dict(env=dict(name="nethack")), "env.name"),
+    (dict(rollout=dict(async_env_steps=True)), "rollout.async_env_steps"),
 ])
 def test_bad_configs_fail_before_compilation_naming_the_key(tiny_dir, tmp_path, override, match):
     config = tiny_config(tiny_dir, tmp_path)

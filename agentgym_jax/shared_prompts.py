@@ -1,0 +1,68 @@
+"""Prompt tokens that many episodes share, written into the KV cache once and copied into each episode's row.
+
+Two sharers: every episode's opening (system prompt and instruction, the same for a whole rollout) and the samples
+of one task (the same whole first prompt). Lock-step rounds fork both when the rollout starts
+(:func:`prefill_shared_prompts`); continuous episodes copy the opening into each row they refill
+(:class:`SharedOpening`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentgym_jax.sampling import Sampler
+
+
+class SharedOpening:
+    """The opening every episode's first prompt shares (system prompt, instruction), prefilled once into a
+    one-row cache and copied into each row a new episode takes, so only the rest of its prompt is computed."""
+
+    MIN_TOKENS = 16  # a shorter shared opening is not worth a copy
+
+    def __init__(self) -> None:
+        self.ids: list[int] | None = None
+        self.state: Any = None
+
+    def fill(self, sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]]) -> tuple[Any, list[int]]:
+        """Copies the opening into the (emptied) ``rows`` whose prompt starts with it; how many ids of each
+        prompt are in its row now (0 where it does not start with the opening)."""
+        if self.ids is None and rows:
+            prompts = [ids for _, ids in rows]
+            common = min(len(ids) for ids in prompts) - 1  # generate needs one new token to read logits from
+            common = next((n for n in range(common) if any(ids[n] != prompts[0][n] for ids in prompts)), common)
+            self.ids = prompts[0][:common] if common >= self.MIN_TOKENS else []
+            if self.ids:
+                self.state = sampler.prefill(sampler.new_state(1), [self.ids])
+        n = len(self.ids or ())
+        starts = [bool(n) and len(ids) > n and ids[:n] == self.ids for _, ids in rows]
+        if any(starts):
+            state = sampler.copy_row(self.state, 0, state, [row for (row, _), hit in zip(rows, starts) if hit])
+        return state, [n if hit else 0 for hit in starts]
+
+
+
+def prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], episodes: int) -> tuple[Any, dict[int, int]]:
+    """Writes shared prompt tokens into the cache once and forks them: the opening every episode shares (system
+    prompt and instruction) once per rollout, then each distinct first prompt (the samples of one task) once per
+    task, instead of once per episode.
+
+    Returns the sampler state and, per episode, how many of its pending ids are already in its cache row (all but
+    the last: the first ``generate`` call needs a new token to read logits from).
+    """
+    if not pending:
+        return sampler.new_state(episodes), {}
+    prompts = list(pending.values())
+    shortest = min(len(ids) for ids in prompts) - 1
+    common = 0
+    while common < shortest and all(ids[common] == prompts[0][common] for ids in prompts):
+        common += 1
+    distinct: dict[tuple[int, ...], int] = {}
+    source = {i: distinct.setdefault(tuple(ids), len(distinct)) for i, ids in pending.items()}
+    if len(distinct) == len(pending) and common < 2 * len(prompts[0]) // 5:
+        return sampler.new_state(episodes), {}  # too little shared to pay for the extra programs
+    state = sampler.new_state(1)
+    state = sampler.prefill(state, [prompts[0][:common]])
+    state = sampler.select_rows(state, [0] * len(distinct))
+    state = sampler.prefill(state, [list(ids[common:-1]) for ids in distinct])
+    state = sampler.select_rows(state, [source.get(i, 0) for i in range(episodes)])
+    return state, {i: len(ids) - 1 for i, ids in pending.items()}
