@@ -362,14 +362,16 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
     rows take a turn. A finished episode frees its row (and its environment episode) at once, so no row waits
     for the slowest episode of a round.
 
-    With ``config.async_env_steps`` the rows form two halves, each its own sampler batch, that take turns: while
+    With ``config.async_env_steps`` the rows form two halves (the first and the second half of the rows, so that
+    each half's episodes are spread over the pool's workers), each its own sampler batch, that take turns: while
     the environments step one half's actions (in a background thread; the pool serves one call at a time), the
     sampler generates for the other half. It pays where an environment step takes about as long as a half-batch
     sampler call (web pages, remote servers); with millisecond environments it only halves the sampler batch."""
     sampler = turns.sampler
     rows = min(turns.config.max_rows or len(trajectories), len(trajectories))
-    halves = 2 if turns.config.async_env_steps and rows > 1 else 1  # row r is row r // halves of states[r % halves]
-    states = [sampler.new_state(len(range(h, rows, halves))) for h in range(halves)]
+    halves = 2 if turns.config.async_env_steps and rows > 1 else 1
+    size = -(-rows // halves)  # row r is row r % size of states[r // size]: each half's episodes span the workers
+    states = [sampler.new_state(min(size, rows - h * size)) for h in range(halves)]
     queue = collections.deque(range(len(trajectories)))
     free_rows = list(range(rows))
     row_of: dict[int, int] = {}  # playing episode -> its row
@@ -403,11 +405,10 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
         free_rows.extend(row for (i, row), ids in zip(admitted, prompts) if ids is None)
         turns.finish([trajectories[i] for (i, _), ids in zip(admitted, prompts) if ids is None])
         for h in range(halves):
-            opened = [(i, row, ids) for (i, row), ids in zip(admitted, prompts)
-                      if ids is not None and row % halves == h]
+            opened = [(i, row, ids) for (i, row), ids in zip(admitted, prompts) if ids is not None and row // size == h]
             if opened:
-                states[h] = sampler.clear_rows(states[h], [row // halves for _, row, _ in opened])
-                states[h], shared = opening.fill(sampler, states[h], [(row // halves, ids) for _, row, ids in opened])
+                states[h] = sampler.clear_rows(states[h], [row % size for _, row, _ in opened])
+                states[h], shared = opening.fill(sampler, states[h], [(row % size, ids) for _, row, ids in opened])
                 for (i, row, ids), length in zip(opened, shared):
                     row_of[i], pending[i], cached[i] = row, ids, length
 
@@ -419,14 +420,14 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
                 admit()
             waiting = set(in_flight[1]) if in_flight else set()
             ready = [i for i in row_of if i not in waiting]
-            if halves == 2 and not any(row_of[i] % 2 == half for i in ready):
+            if halves == 2 and not any(row_of[i] // size == half for i in ready):
                 half = 1 - half  # this half has no episode ready: the other one samples
-            ready = [i for i in ready if row_of[i] % halves == half]
+            ready = [i for i in ready if row_of[i] // size == half]
             ended = [i for i in ready if not turns.fits(trajectories[i], pending[i])]
             active = [i for i in ready if i not in ended]
             actions: dict[int, str] = {}
             if active:
-                local = {i: row_of[i] // halves for i in active}
+                local = {i: row_of[i] % size for i in active}
                 states[half], finished_now, actions, sampled = turns.sample_turn(
                     states[half], trajectories, active, local, pending, cached, episode_keys)
                 ended += finished_now
