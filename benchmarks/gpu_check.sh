@@ -9,9 +9,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
-python_ok=$("$PYTHON" -c "import jax, flax, optax, orbax.checkpoint, transformers, torch; print('ok')" 2>/dev/null || true)
-if [ "$python_ok" != "ok" ]; then
-  echo "error: $PYTHON lacks one of jax, flax, optax, orbax-checkpoint, transformers, torch" >&2
+missing=$("$PYTHON" -c "
+import importlib.util
+names = ['jax', 'flax', 'optax', 'orbax.checkpoint', 'transformers', 'torch', 'ml_collections', 'safetensors']
+print(' '.join(n for n in names if importlib.util.find_spec(n.split('.')[0]) is None))" 2>/dev/null || echo "python")
+if [ -n "$missing" ]; then
+  # GPU images often lack ml-collections: pip install ml-collections==1.1.0 (a pure-Python wheel; no network
+  # needed if the wheel is copied over and installed with --no-index)
+  echo "error: $PYTHON lacks: $missing (see requirements.txt for the pinned versions)" >&2
   exit 2
 fi
 "$PYTHON" -c "import jax; print('devices:', jax.devices())"
