@@ -3,9 +3,9 @@
 Every projection computes ``dot(x, w, preferred_element_type=float32)``. Left to autodiff, the backward pass gets
 the fp32 cotangent of that product and multiplies it with the bf16 operands: a mixed-dtype product, which XLA runs
 entirely in fp32. On a GPU that meant TF32 GEMMs for two thirds of a train step's matmul FLOPs (the gradients
-of inputs and weights; 42% of an H200 step, ``benchmarks/gpu_check``). :func:`mixed_dot` casts the cotangent to
-the operands' dtype first, as mixed-precision training does in torch's autocast, so both backward products are
-bf16 x bf16 with fp32 accumulation. With fp32 operands nothing changes.
+of inputs and weights; 43% of an H200 step's GPU time, ``benchmarks/gpu_check``). :func:`mixed_dot` casts the
+cotangent to the operands' dtype first, as mixed-precision training does in torch's autocast, so both backward
+products are bf16 x bf16 with fp32 accumulation. With fp32 operands nothing changes.
 """
 
 from __future__ import annotations

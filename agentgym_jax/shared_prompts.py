@@ -28,8 +28,7 @@ class SharedOpening:
         prompt are in its row now (0 where it does not start with the opening)."""
         if self.ids is None and rows:
             prompts = [ids for _, ids in rows]
-            common = min(len(ids) for ids in prompts) - 1  # generate needs one new token to read logits from
-            common = next((n for n in range(common) if any(ids[n] != prompts[0][n] for ids in prompts)), common)
+            common = _shared_head(prompts)
             self.ids = prompts[0][:common] if common >= self.MIN_TOKENS else []
             if self.ids:
                 self.state = sampler.prefill(sampler.new_state(1), [self.ids])
@@ -40,8 +39,15 @@ class SharedOpening:
         return state, [n if hit else 0 for hit in starts]
 
 
+def _shared_head(prompts: list[list[int]]) -> int:
+    """How many leading ids every prompt shares, leaving each at least one: the first generate call needs a new
+    token to read logits from."""
+    shortest = max(min(len(ids) for ids in prompts) - 1, 0)
+    return next((n for n in range(shortest) if any(ids[n] != prompts[0][n] for ids in prompts)), shortest)
 
-def prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], episodes: int) -> tuple[Any, dict[int, int]]:
+
+def prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]],
+                           episodes: int) -> tuple[Any, dict[int, int]]:
     """Writes shared prompt tokens into the cache once and forks them: the opening every episode shares (system
     prompt and instruction) once per rollout, then each distinct first prompt (the samples of one task) once per
     task, instead of once per episode.
@@ -52,10 +58,7 @@ def prefill_shared_prompts(sampler: Sampler, pending: dict[int, list[int]], epis
     if not pending:
         return sampler.new_state(episodes), {}
     prompts = list(pending.values())
-    shortest = min(len(ids) for ids in prompts) - 1
-    common = 0
-    while common < shortest and all(ids[common] == prompts[0][common] for ids in prompts):
-        common += 1
+    common = _shared_head(prompts)
     distinct: dict[tuple[int, ...], int] = {}
     source = {i: distinct.setdefault(tuple(ids), len(distinct)) for i, ids in pending.items()}
     if len(distinct) == len(pending) and common < 2 * len(prompts[0]) // 5:
