@@ -167,13 +167,14 @@ class Learner:
                                                       self._lora))
         parts = StepParts(
             config=config, train_graphdef=self._train_graphdef, critic_graphdef=self._critic_graphdef,
-            split_trainable=self._trainable, optimizer=self._optimizer, schedule=self._schedule,
+            split_trainable=functools.partial(split_trainable, use_lora=self._lora), optimizer=self._optimizer,
+            schedule=self._schedule,
             critic_optimizer=self._critic_optimizer, critic_schedule=self._critic_schedule,
             param_shardings=self._shardings(self._policy), critic_shardings=self._shardings(self._critic))
         self._train_step = jax.jit(train_step_program(parts), donate_argnums=(0, 1, 2, 3) if config.donate else ())
         self._advantages = jax.jit(functools.partial(
             adv_lib.compute_advantages, config.advantage_estimator, **config.resolved_estimator_options()))
-        self._gather_minibatch = jax.jit(self._minibatch_from_global, static_argnums=(2,))
+        self._gather_minibatch = jax.jit(functools.partial(minibatch_from_global, self.mesh), static_argnums=(2,))
 
     def _commit(self, tree: Any) -> Any:
         """Pins every array to its device(s), so jit sees the same argument placement on every call."""
@@ -192,16 +193,6 @@ class Learner:
         rows = (None,) if stacked else ()
         spec = P(*rows, sharding.BATCH, *([None] * (array.ndim - len(rows) - 1)))
         return distributed.global_rows(array, self.mesh, spec)  # this process's rows of the global array
-
-    def _minibatch_from_global(self, full: TrainingBatch, index: Array, micro: int) -> TrainingBatch:
-        """The rows ``index`` of a global batch, stacked into micro-batches split over the mesh (the rows move
-        between hosts inside the program)."""
-        def take(x: Array) -> Array:
-            picked = x[index].reshape(-1, micro, *x.shape[1:])
-            spec = P(None, sharding.BATCH, *([None] * (x.ndim - 1)))
-            return jax.lax.with_sharding_constraint(picked, NamedSharding(self.mesh, spec))
-
-        return full.map(take)
 
     # ---------------------------------------------------------------------------------------- sizes and checks
 
@@ -389,12 +380,13 @@ class Learner:
         rows = batch.num_rows
         if self._gradients_program is None:
             config, graphdef = self.config, self._train_graphdef
+            split = functools.partial(split_trainable, use_lora=self._lora)
 
             def _learner_gradients(policy: Any, stack: TrainingBatch) -> tuple[Any, dict[str, Array]]:
                 mask = stack.loss_mask
                 denominator = loss_denominator(config.loss_aggregation, mask.reshape(-1, mask.shape[-1]))
                 loss_fn = functools.partial(policy_loss, config=config)
-                trainable, fixed = self._trainable(policy)
+                trainable, fixed = split(policy)
                 return _accumulated_grads(loss_fn, graphdef, trainable, stack, denominator, fixed)
 
             self._gradients_program = jax.jit(_learner_gradients)
@@ -406,10 +398,7 @@ class Learner:
     # ---------------------------------------------------------------------------------------- checkpoints
 
     def _trainable(self, policy: nnx.State) -> tuple[nnx.State, nnx.State | None]:
-        """(what the optimizer trains, the rest): (adapters, base weights) under LoRA, else (policy, None)."""
-        if not self._lora:
-            return policy, None
-        return nnx.split_state(policy, lora.LoRAParam, ...)
+        return split_trainable(policy, self._lora)
 
     def _trees(self) -> dict[str, Any]:
         # Under LoRA a checkpoint holds the adapters and their optimizer state; the base comes from model.path.
@@ -468,3 +457,24 @@ class Learner:
         if self._critic is not None:
             self._critic, self._critic_opt = restored["critic"], restored["critic_opt"]
         self._step = int(np.asarray(state["step"]))
+
+
+# The learner's programs hold these module functions, not bound methods: a program holding the learner would keep
+# it (and its arrays) alive in a reference cycle until the next garbage collection.
+
+def split_trainable(policy: nnx.State, use_lora: bool) -> tuple[nnx.State, nnx.State | None]:
+    """(what the optimizer trains, the rest): (adapters, base weights) under LoRA, else (policy, None)."""
+    if not use_lora:
+        return policy, None
+    return nnx.split_state(policy, lora.LoRAParam, ...)
+
+
+def minibatch_from_global(mesh: Mesh | None, full: TrainingBatch, index: Array, micro: int) -> TrainingBatch:
+    """The rows ``index`` of a global batch, stacked into micro-batches split over the mesh (the rows move between
+    hosts inside the program)."""
+    def take(x: Array) -> Array:
+        picked = x[index].reshape(-1, micro, *x.shape[1:])
+        spec = P(None, sharding.BATCH, *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(picked, NamedSharding(mesh, spec))
+
+    return full.map(take)

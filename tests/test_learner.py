@@ -415,3 +415,26 @@ def test_logprobs_read_only_at_agent_positions_equal_the_full_computation(model_
     np.testing.assert_allclose(np.asarray(logp)[on], np.asarray(full_logp)[on], atol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy)[on], np.asarray(full_entropy)[on], atol=1e-5)
     assert not np.asarray(logp)[~on].any() and not np.asarray(entropy)[~on].any()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_a_dropped_learner_frees_its_arrays_at_once(model_dir, estimator):
+    """No reference cycle keeps a learner (its parameters, optimizer state, programs) alive after its last
+    reference goes: programs hold module functions, not the learner's bound methods."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()  # a cycle would now stay alive
+    try:
+        learner = Learner(hf.load_model(model_dir), LearnerConfig(minibatch_size=8, advantage_estimator=estimator,
+                                                                   old_logp_source="sampler"))
+        learner.update(_batch(), jax.random.PRNGKey(0))
+        learner.gradients(_batch())
+        alive = weakref.ref(learner)
+        params = [weakref.ref(x) for x in jax.tree.leaves(learner.policy_state)]
+        del learner
+        assert alive() is None
+        assert all(p() is None for p in params)
+    finally:
+        gc.enable()
