@@ -15,7 +15,8 @@ from agentgym_jax.sampling import Sampler
 
 class SharedOpening:
     """The opening every episode's first prompt shares (system prompt, instruction), prefilled once into a
-    one-row cache and copied into each row a new episode takes, so only the rest of its prompt is computed."""
+    one-row cache and copied into each row a new episode takes, so only the rest of its prompt is computed; the
+    rows admitted together with the same whole prompt (the samples of one task) compute that rest once."""
 
     MIN_TOKENS = 16  # a shorter shared opening is not worth a copy
 
@@ -24,8 +25,8 @@ class SharedOpening:
         self.state: Any = None
 
     def fill(self, sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]]) -> tuple[Any, list[int]]:
-        """Copies the opening into the (emptied) ``rows`` whose prompt starts with it; how many ids of each
-        prompt are in its row now (0 where it does not start with the opening)."""
+        """Writes what it can share of the (emptied) ``rows``' prompts into them; how many ids of each prompt are
+        in its row now (0 where nothing was shared)."""
         if self.ids is None and rows:
             prompts = [ids for _, ids in rows]
             common = _shared_head(prompts)
@@ -36,7 +37,31 @@ class SharedOpening:
         starts = [bool(n) and len(ids) > n and ids[:n] == self.ids for _, ids in rows]
         if any(starts):
             state = sampler.copy_row(self.state, 0, state, [row for (row, _), hit in zip(rows, starts) if hit])
-        return state, [n if hit else 0 for hit in starts]
+        cached = [n if hit else 0 for hit in starts]
+        return _fork_same_prompts(sampler, state, rows, cached)
+
+
+def _fork_same_prompts(sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]],
+                       cached: list[int]) -> tuple[Any, list[int]]:
+    """Rows with the same whole prompt: the rest of it (past ``cached``, all but its last id) is prefilled in the
+    first of them and copied into the others. Returns the state and the ids now cached per row."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (_, ids) in enumerate(rows):
+        groups.setdefault(tuple(ids), []).append(index)
+    groups = {ids: members for ids, members in groups.items() if len(members) > 1 and len(ids) > 1}
+    if not groups:
+        return state, cached
+    tokens: list[list[int] | None] = [None] * state.batch_size
+    source = list(range(state.batch_size))
+    cached = list(cached)
+    for ids, members in groups.items():
+        lead = rows[members[0]][0]
+        tokens[lead] = list(ids[cached[members[0]]:-1])
+        for index in members:
+            source[rows[index][0]] = lead
+            cached[index] = len(ids) - 1
+    state = sampler.prefill(state, tokens)
+    return sampler.select_rows(state, source), cached
 
 
 def _shared_head(prompts: list[list[int]]) -> int:

@@ -5,6 +5,7 @@ for token, for a fixed seed."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -84,6 +85,38 @@ def test_continuous_rows_bound_the_sampler_batch(trainer, monkeypatch):
     _play(trainer, trainer.train_tasks[:6], True, continuous=True, max_rows=8)
     assert sizes and set(sizes) == {8}
     assert sum(copies) == 24  # every episode's row got the shared opening from the one prefilled copy
+
+
+def test_continuous_rows_compute_a_task_prompt_once(trainer, monkeypatch):
+    """The samples of one task admitted together: the continuous loop prefills their first prompt once and copies
+    it, as lock-step rounds do, instead of once per row."""
+    from agentgym_jax import prefill, sampling
+
+    written = []
+    real_generate, real_prefill = sampling._generate_program, prefill.prefill_program
+
+    def generate_spy(*args, **kwargs):
+        written.append(int(np.sum(kwargs["new_lengths"])))
+        return real_generate(*args, **kwargs)
+
+    def prefill_spy(state, cache, tokens, counts, **kwargs):
+        written.append(int(np.sum(counts)))
+        return real_prefill(state, cache, tokens, counts, **kwargs)
+
+    monkeypatch.setattr(sampling, "_generate_program", generate_spy)
+    monkeypatch.setattr(prefill, "prefill_program", prefill_spy)
+    computed = {}
+    for name, continuous in (("continuous", True), ("waves", False)):
+        written.clear()
+        played, _ = _play(trainer, trainer.train_tasks[:6], True, continuous=continuous, max_rows=8)
+        computed[name] = sum(written)
+    # Greedy: every episode takes 5 turns, so both loops play the same waves of 8 rows (two tasks each), and the
+    # same turns. The waves prefill the opening (what every first prompt starts with) once per wave, the
+    # continuous loop once in all.
+    first_prompts = [t.tokens[: t.loss_mask.index(1)] for t in played]
+    opening = len(os.path.commonprefix(first_prompts))
+    assert opening > 10 and {t.turns for t in played} == {5}
+    assert computed["continuous"] == computed["waves"] - 2 * opening, computed
 
 
 def test_negative_rows_are_refused():
