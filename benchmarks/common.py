@@ -56,6 +56,20 @@ def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * source.nbytes / median(seconds) / 1e9
 
 
+def matmul_flops_per_s(dtype: str, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large jitted square JAX matmul in ``dtype`` with fp32 accumulation (as our layers ask for it):
+    the practical compute peak of this machine for that dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (size, size), jnp.float32).astype(dtype)
+    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    matmul(a, b).block_until_ready()
+    seconds = time_repeats(lambda: matmul(a, b).block_until_ready(), repeats)
+    return 2.0 * size**3 / median(seconds)
+
+
 def cpu_facts() -> dict[str, Any]:
     """CPU model, core count and the vector/matrix ISA flags relevant to fp32 and bf16 kernels."""
     model, flags = platform.processor(), set()

@@ -1,9 +1,10 @@
 """Sampler benchmark: our jitted sampler vs transformers ``generate`` on SmolLM2-135M-Instruct, same run.
 
 Measures generated tokens/s (end to end: prefill + 64 greedy tokens, no early stop) at batch 1, 8 and 32 with
-~200-token prompts, fp32 and bf16 for both; compile time apart from steady state; decode step time beside the
-memory-bandwidth bound; a multi-turn rollout with KV-cache extend vs re-prefilling the history each turn;
-which matmul paths XLA and torch take on this CPU; peak RSS. Ours and torch are timed interleaved (the machine
+~200-token prompts, fp32 and bf16 for both; compile time apart from steady state; decode step time beside its
+roofline (the larger of the memory-bandwidth bound and the compute bound at the measured matmul peak); a
+multi-turn rollout with KV-cache extend vs re-prefilling the history each turn; which matmul paths XLA and
+torch take on this CPU; peak RSS. Ours and torch are timed interleaved (the machine
 is shared), medians of the repeats. Writes ``benchmarks/results/sampler.json``.
 
 Usage: python -m benchmarks.sampler [--repeats=3] [--repeats_b32=2] [--multiturn_batch=4]
@@ -101,17 +102,26 @@ def matmul_paths() -> dict[str, Any]:
     }
 
 
-def decode_bound(config: Any, dtype: str, batch: int, mean_length: float, bandwidth_gbs: float) -> dict[str, float]:
-    """Per-step bytes (all weights + the live KV slots) and the tokens/s that bandwidth allows."""
+def decode_bound(config: Any, dtype: str, batch: int, mean_length: float, bandwidth_gbs: float,
+                 matmul_flops: float) -> dict[str, float]:
+    """A decode step's roofline: the time to read its bytes (all weights + the live KV slots) at the measured
+    bandwidth, and the time to compute its FLOPs (every weight matmul and the attention over the live slots, per
+    row) at the measured peak of a large matmul; the bound is the larger of the two."""
     itemsize = 2 if dtype == "bfloat16" else 4
     weight_bytes = config.num_params() * itemsize
     cache_bytes = KVCache.nbytes(config, batch, int(mean_length), dtype)
-    step = (weight_bytes + cache_bytes) / (bandwidth_gbs * 1e9)
-    return {"bytes_per_step": weight_bytes + cache_bytes, "bound_step_ms": 1000 * step,
-            "bound_tokens_per_s": batch / step}
+    attention_flops = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * mean_length
+    flops = batch * (2 * config.num_params() + attention_flops)
+    bandwidth_ms = 1000 * (weight_bytes + cache_bytes) / (bandwidth_gbs * 1e9)
+    compute_ms = 1000 * flops / matmul_flops
+    step_ms = max(bandwidth_ms, compute_ms)
+    return {"bytes_per_step": weight_bytes + cache_bytes, "bandwidth_bound_step_ms": bandwidth_ms,
+            "flops_per_step": flops, "compute_bound_step_ms": compute_ms, "bound_step_ms": step_ms,
+            "bound_tokens_per_s": 1000 * batch / step_ms}
 
 
-def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
+def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: float,
+                peaks: dict[str, float]) -> list[dict[str, Any]]:
     rows = []
     prompts = _prompts(batch, PROMPT_TOKENS, batch)
     for dtype in DTYPES:
@@ -134,12 +144,13 @@ def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: f
             ours_runs=ours_s, torch_runs=torch_s,
         )
         row["ratio"] = row["ours_tokens_per_s"] / row["torch_tokens_per_s"]
-        # decode step time from a prefill-only run, beside the bandwidth bound
+        # decode step time from a prefill-only run, beside the roofline
         _ours_run(sampler, prompts, 1)
         prefill = common.median([_ours_run(sampler, prompts, 1) for _ in range(2)])
         step_ms = 1000 * (row["ours_seconds"] - prefill) / (NEW_TOKENS - 1)
         row.update(ours_prefill_seconds=prefill, ours_decode_step_ms=step_ms,
-                   **decode_bound(ours[dtype].config, dtype, batch, PROMPT_TOKENS + NEW_TOKENS / 2, bandwidth))
+                   **decode_bound(ours[dtype].config, dtype, batch, PROMPT_TOKENS + NEW_TOKENS / 2, bandwidth,
+                                peaks[dtype]))
         row["decode_vs_bound"] = step_ms / row["bound_step_ms"]
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("runs")},
               flush=True)
@@ -197,13 +208,15 @@ def main(argv: Sequence[str]) -> None:
 
     model_dir = prepare_default_model()
     bandwidth = common.memory_bandwidth_gbs()
+    peaks = {d: common.matmul_flops_per_s(d) for d in DTYPES}
     ours = {d: hf.load_model(model_dir, param_dtype=d, dtype=d) for d in DTYPES}
     theirs = {d: AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, d)).eval() for d in DTYPES}
     paths = matmul_paths()
     print(paths, flush=True)
     table = []
     for batch in [int(b) for b in _BATCHES.value]:
-        table += single_turn(ours, theirs, batch, _REPEATS_B32.value if batch >= 32 else _REPEATS.value, bandwidth)
+        table += single_turn(ours, theirs, batch, _REPEATS_B32.value if batch >= 32 else _REPEATS.value, bandwidth,
+                             peaks)
     multiturn = multi_turn(ours["float32"], _MULTITURN_BATCH.value)
 
     def best_ratio(batch: int) -> float | None:
@@ -220,7 +233,7 @@ def main(argv: Sequence[str]) -> None:
                     "~200-token prompts included, greedy, no early stop); ratios use each side's best dtype; "
                     "multiturn_ratio = re-prefill seconds / extend seconds"),
         table=table, multiturn=multiturn, matmul_paths=paths,
-        memory_bandwidth_gbs_copy=bandwidth, cpu=common.cpu_facts(),
+        memory_bandwidth_gbs_copy=bandwidth, matmul_flops_per_s=peaks, cpu=common.cpu_facts(),
         load_average_at_end=list(os.getloadavg()), peak_rss_mib=common.peak_rss_mib(),
         benchmark_seconds=time.perf_counter() - wall,
         versions=dict(jax=jax.__version__, torch=torch.__version__),

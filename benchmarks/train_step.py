@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import cpu_facts, median, peak_rss_mib, write_json
+from benchmarks.common import cpu_facts, matmul_flops_per_s, median, peak_rss_mib, write_json
 
 BATCH, SEQ_LEN = 8, 512
 PROMPT_TOKENS, TURNS, AGENT_TOKENS, OBS_TOKENS = 128, 4, 32, 64
@@ -141,23 +141,7 @@ def run_torch(model_dir: str, dtype: str, steps: int) -> dict[str, Any]:
 
 
 def run_matmul(size: int, repeats: int = 5) -> dict[str, Any]:
-    import jax
-    import jax.numpy as jnp
-
-    out = {}
-    for dtype in DTYPES:
-        a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32).astype(dtype)
-        b = jax.random.normal(jax.random.PRNGKey(1), (size, size), jnp.float32).astype(dtype)
-        # fp32 accumulation, as our layers ask for it (XLA's CPU backend then runs bf16 natively)
-        matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-        matmul(a, b).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            matmul(a, b).block_until_ready()
-            times.append(time.perf_counter() - start)
-        out[dtype] = 2.0 * size**3 / median(times)
-    return dict(size=size, flops_per_s=out)
+    return dict(size=size, flops_per_s={dtype: matmul_flops_per_s(dtype, size, repeats) for dtype in DTYPES})
 
 
 # ------------------------------------------------------------------------------------------------- driver
