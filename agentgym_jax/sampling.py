@@ -396,13 +396,13 @@ class Sampler:
 
     def _prefill_plan(self, lengths: np.ndarray, batch: int) -> tuple[int, list[list[int]] | None]:
         """Positions computed to prefill ``lengths`` into ``batch`` rows, and how: one block over every row
-        (None), or length-sorted parts of the rows (agentgym_jax.prefill) when those compute fewer."""
+        (None), or length-sorted parts of the rows with tokens (agentgym_jax.prefill) when those compute fewer."""
         block = batch * self._prefill_positions(int(lengths.max(initial=0)))
-        if not self.config.prefill_call_cost or int((lengths > 0).sum()) < 2:
+        if not self.config.prefill_call_cost or not lengths.any():
             return block, None
         parts, cost = prefill.plan_parts(lengths.tolist(), self._prefill_positions, self.batch_bucket,
                                          self.config.prefill_call_cost)
-        return (cost, parts) if len(parts) > 1 and cost < block else (block, None)
+        return (cost, parts) if cost < block else (block, None)  # one part too: the rows without tokens idle
 
     def _put_rows(self, state: SamplerState, part: SamplerState, rows: Sequence[int]) -> SamplerState:
         """``part``'s first ``len(rows)`` rows written into ``rows`` of ``state`` (consumed)."""

@@ -75,6 +75,28 @@ def test_parts_give_the_samples_and_caches_of_one_block(model, sampling):
     assert whole[3] == [] and len(split[3]) >= 6 and max(split[3]) < 5  # each of the three calls split
 
 
+def test_rows_without_tokens_are_not_computed(model):
+    """Prefilling 2 of 8 rows computes a 2-row part (the other 6 rows idle), with the samples of one 8-row block."""
+    results = []
+    for call_cost in (1, 0):
+        sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_call_cost=call_cost, prefill_chunk=0))
+        put, parts = sampler._put_rows, []
+        sampler._put_rows = lambda state, part, rows, put=put, parts=parts: parts.append(len(rows)) or put(
+            state, part, rows)
+        rs = np.random.RandomState(1)
+        prompts = [rs.randint(3, 200, 30).tolist() for _ in range(8)]
+        state = sampler.new_state(8)
+        state = sampler.prefill(state, [p[:-1] for p in prompts])
+        state = sampler.prefill(state, [[5, 6, 7], None, None, None, [8, 9], None, None, None])
+        state, out = sampler.generate(state, [[11]] * 8, jax.random.PRNGKey(0),
+                                      SamplingParams(temperature=0.0, max_new_tokens=4))
+        results.append((out, state.lengths, parts))
+    (split, split_lengths, split_parts), (whole, whole_lengths, whole_parts) = results
+    assert split_parts == [2] and whole_parts == []
+    assert split.tokens == whole.tokens
+    np.testing.assert_array_equal(split_lengths, whole_lengths)
+
+
 def test_chunked_prefill_gives_the_samples_and_caches_of_one_block(model):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
     chunked = _two_turns(model, call_cost=0, sampling=sampling, chunk=16)  # 70 tokens: 16 x 4 + 6
