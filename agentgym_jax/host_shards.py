@@ -15,7 +15,8 @@ from typing import Any, Sequence
 from agentgym_jax import distributed
 from agentgym_jax.batch import TrajectoryBatch
 from agentgym_jax.buckets import bucket
-from agentgym_jax.rollout import RolloutStats, Trajectory, pack_trajectories
+from agentgym_jax.rollout import RolloutStats, Trajectory
+from agentgym_jax.trajectory_packing import pack_trajectories
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,7 +229,8 @@ class Learner:
             raise BatchError(str(error)) from None
         if "step_states" in self._estimator.requires and batch.step_states is None:
             raise BatchError(f"advantage_estimator={self.config.advantage_estimator!r} needs per-turn data "
-                             "(turn_ids, step_rewards, step_states); build the batch with rollout.pack_trajectories")
+                             "(turn_ids, step_rewards, step_states); build the batch with "
+                             "trajectory_packing.pack_trajectories")
         return mask
 
     # ---------------------------------------------------------------------------------------- experience

@@ -150,7 +150,8 @@ def test_a_users_estimator_trains_through_launch_train(tmp_path):
 
 
 def test_rollout_batches_carry_turns_rewards_and_states(tmp_path):
-    from agentgym_jax.rollout import Trajectory, pack_trajectories
+    from agentgym_jax.rollout import Trajectory
+    from agentgym_jax.trajectory_packing import pack_trajectories
 
     t = Trajectory(task_id=0, group_id=3, subtask="x")
     t.append([1, 2], 0)

@@ -105,7 +105,7 @@ def test_rollout_diagnostics_and_no_signal_warning(caplog):
 
 
 def test_response_prefix_is_glue_in_sampler_input_training_and_evaluation(tiny_dir, tmp_path):  # noqa: F811
-    from agentgym_jax.rollout import pack_trajectories
+    from agentgym_jax.trajectory_packing import pack_trajectories
     from agentgym_jax.trainer import LENGTH_BUCKETS, Trainer
 
     config = tiny_config(tiny_dir, tmp_path, steps=1)

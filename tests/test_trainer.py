@@ -68,7 +68,7 @@ def test_reward_rises_and_observability_files_exist(tiny_dir, tmp_path):
 def test_environment_tokens_are_masked_in_a_real_batch(tiny_dir, tmp_path):
     import jax
 
-    from agentgym_jax.rollout import pack_trajectories
+    from agentgym_jax.trajectory_packing import pack_trajectories
     from agentgym_jax.trainer import LENGTH_BUCKETS, Trainer
 
     trainer = Trainer(tiny_config(tiny_dir, tmp_path))
