@@ -37,17 +37,26 @@ def layer_index(path: tuple[Any, ...]) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def labels(params: Any, frozen_layers: int) -> Any:
-    """``"frozen"`` for parameters of decoder layers below ``frozen_layers``, ``"train"`` for the rest."""
+def is_embedding(path: tuple[Any, ...]) -> bool:
+    """Whether a parameter path is the token embedding table (``model/embed_tokens/...``)."""
+    return "embed_tokens" in (str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def labels(params: Any, frozen_layers: int, freeze_embeddings: bool = False) -> Any:
+    """``"frozen"`` for parameters of decoder layers below ``frozen_layers`` (and the embeddings with
+    ``freeze_embeddings``), ``"train"`` for the rest."""
 
     def label(path: tuple[Any, ...], _: Any) -> str:
         index = layer_index(path)
-        return "frozen" if index is not None and index < frozen_layers else "train"
+        frozen = (index is not None and index < frozen_layers) or (freeze_embeddings and is_embedding(path))
+        return "frozen" if frozen else "train"
 
     return jax.tree_util.tree_map_with_path(label, params)
 
 
-def freeze_layers(optimizer: optax.GradientTransformation, frozen_layers: int) -> optax.GradientTransformation:
-    """``optimizer`` on the trainable parameters; zero updates and no state for the first ``frozen_layers``."""
+def freeze_layers(optimizer: optax.GradientTransformation, frozen_layers: int,
+                  freeze_embeddings: bool = False) -> optax.GradientTransformation:
+    """``optimizer`` on the trainable parameters; zero updates and no state for the first ``frozen_layers`` (and
+    the embeddings with ``freeze_embeddings``)."""
     return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()},
-                                 lambda params: labels(params, frozen_layers))
+                                 lambda params: labels(params, frozen_layers, freeze_embeddings))

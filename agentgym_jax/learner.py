@@ -101,8 +101,11 @@ class Learner:
         )
         self._train_graphdef = nnx.split(abstract_model(train_model_config))[0]
         self._optimizer, self._schedule = make_optimizer(config, config.learning_rate, config.warmup_steps)
-        if frozen:
-            self._optimizer = freezing.freeze_layers(self._optimizer, frozen)
+        if frozen or config.freeze_embeddings:
+            self._optimizer = freezing.freeze_layers(self._optimizer, frozen, config.freeze_embeddings)
+        # Nothing below the frozen layers trains (the embeddings are frozen, or only adapters train): their output
+        # is fixed through a step, so prepare() computes it once and every update starts from it.
+        self._cache_trunk = bool(frozen) and (config.freeze_embeddings or self._lora)
         with sharding.use_mesh(mesh):
             self._opt_state = self._commit(jax.jit(self._optimizer.init)(self._trainable(self._policy)[0]))
         # Under LoRA the reference is the policy with its adapters zeroed (lora.without_adapters): no copy.
@@ -175,6 +178,7 @@ class Learner:
         self._advantages = jax.jit(functools.partial(
             adv_lib.compute_advantages, config.advantage_estimator, **config.resolved_estimator_options()))
         self._gather_minibatch = jax.jit(functools.partial(minibatch_from_global, self.mesh), static_argnums=(2,))
+        self._trunk = jax.jit(functools.partial(trunk_of, self._train_graphdef)) if self._cache_trunk else None
 
     def _commit(self, tree: Any) -> Any:
         """Pins every array to its device(s), so jit sees the same argument placement on every call."""
@@ -237,8 +241,8 @@ class Learner:
 
     def prepare(self, batch: TrajectoryBatch) -> TrainingBatch:
         """The per-token training inputs of a batch (host arrays): the experience forward one micro-batch at a
-        time (reference log-probs, recomputed old log-probs, critic values), reward shaping, then the estimator on
-        the whole batch."""
+        time (reference log-probs, recomputed old log-probs, critic values, the frozen layers' output when it is
+        fixed through the step), reward shaping, then the estimator on the whole batch."""
         batch = batch.to_numpy()
         mask = self._check(batch)
         _, micro = self._sizes(batch)
@@ -252,6 +256,8 @@ class Learner:
                 rows = slice(start, start + local_micro)
                 out = self._experience(self._policy, self._reference, self._critic, self._put(tokens[rows], False),
                                        self._put(positions[rows], False))
+                if self._trunk is not None:
+                    out["trunk"] = self._trunk(self._policy, self._put(tokens[rows], False))
                 for key, value in out.items():
                     parts.setdefault(key, []).append(distributed.local_rows(value))
         experience = {k: np.concatenate(v) for k, v in parts.items()}
@@ -274,7 +280,8 @@ class Learner:
             advantages, returns = map(distributed.local_rows, self._advantages(**inputs))
         return TrainingBatch(tokens=tokens, positions=positions, loss_mask=mask, old_logp=old_logp,
                              advantages=np.asarray(advantages), returns=np.asarray(returns), scores=scores,
-                             valid=batch.valid, ref_logp=ref_logp, old_values=values)
+                             valid=batch.valid, ref_logp=ref_logp, old_values=values,
+                             trunk=experience.get("trunk"))
 
     # ---------------------------------------------------------------------------------------- update
 
@@ -468,6 +475,11 @@ def split_trainable(policy: nnx.State, use_lora: bool) -> tuple[nnx.State, nnx.S
     if not use_lora:
         return policy, None
     return nnx.split_state(policy, lora.LoRAParam, ...)
+
+
+def trunk_of(graphdef: Any, policy: nnx.State, tokens: Array) -> Array:
+    """The policy's hidden states after its frozen layers for ``tokens`` (:meth:`DecoderLM.trunk`)."""
+    return nnx.merge(graphdef, policy).trunk(tokens)
 
 
 def minibatch_from_global(mesh: Mesh | None, full: TrainingBatch, index: Array, micro: int) -> TrainingBatch:

@@ -87,6 +87,9 @@ class LearnerConfig:
     compute_dtype: str | None = None  # None: the model's; 'bfloat16' with float32 params = mixed precision
     remat: bool | None = None  # None: the model's setting
     trainable_layers: int = 0  # train only the top N decoder layers (+ final norm and head); 0 = all layers
+    # Keep the token embeddings fixed (and so a tied output head). With trainable_layers, the frozen layers' output
+    # then stays fixed through a step: it is computed once per step, not in every update's forward pass.
+    freeze_embeddings: bool = False
     donate: bool = True  # update parameter and optimizer buffers in place
 
     @property

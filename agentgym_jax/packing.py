@@ -20,7 +20,7 @@ import numpy as np
 from agentgym_jax.buckets import LENGTH_BUCKETS
 from agentgym_jax.policy_objective import TrainingBatch, agent_positions
 
-PER_TOKEN_FIELDS = ("loss_mask", "old_logp", "advantages", "returns", "ref_logp", "old_values")
+PER_TOKEN_FIELDS = ("loss_mask", "old_logp", "advantages", "returns", "ref_logp", "old_values", "trunk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +129,13 @@ def plan(tokens: np.ndarray, loss_mask: np.ndarray, group_ids: np.ndarray,
 
 
 def scatter(layout: Layout, values: np.ndarray) -> np.ndarray:
-    """Per-token ``values`` [N, T] placed in the packed rows [R, L] (0 where no token; a shared prefix cell takes
-    one member's value, so use it for tokens that are equal across a group or never scored)."""
+    """Per-token ``values`` [N, T, ...] placed in the packed rows [R, L, ...] (0 where no token; a shared prefix
+    cell takes one member's value, so use it for values that are equal across a group or never scored)."""
     values = np.asarray(values)
-    out = np.zeros(layout.shape[0] * layout.shape[1], values.dtype)
+    out = np.zeros((layout.shape[0] * layout.shape[1], *values.shape[2:]), values.dtype)
     placed = layout.cells >= 0
     out[layout.cells[placed]] = values[placed]
-    return out.reshape(layout.shape)
+    return out.reshape(*layout.shape, *values.shape[2:])
 
 
 def pack_training_batch(batch: TrainingBatch, group_ids: np.ndarray,

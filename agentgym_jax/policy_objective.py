@@ -44,6 +44,9 @@ class TrainingBatch:
     rope_positions: Any = None
     blocks: Any = None
     branches: Any = None
+    # [B, T, D]: the hidden states after the frozen layers, computed once per step (DecoderLM.trunk) when those
+    # layers and the embeddings are frozen; the train step then starts from them.
+    trunk: Any = None
 
     @property
     def segments(self) -> Segments | None:
@@ -134,15 +137,17 @@ def token_logprobs(
     With ``positions`` ([B, K] from :func:`agent_positions`) only those tokens are scored (0 elsewhere). With
     ``chunk_size`` the ``[B, T, V]`` logits are never materialized at once (see
     :func:`losses.chunked_logprobs_and_entropy`); ``T`` is padded internally to a multiple of it. ``packed`` (a
-    packed batch: its sources, RoPE positions and segments) scores packed rows; it needs ``positions``.
+    packed batch: its sources, RoPE positions and segments) scores packed rows; it needs ``positions``. A batch
+    given as ``packed`` with a ``trunk`` starts from it.
     """
+    trunk = None if packed is None else packed.trunk
     if packed is not None and packed.blocks is not None:
         if positions is None:
             raise ValueError("packed rows are scored at agent positions only; pass positions")
-        hidden, _ = model.forward(tokens, packed.rope_positions, segments=packed.segments)
+        hidden, _ = model.forward(tokens, packed.rope_positions, segments=packed.segments, trunk=trunk)
         return selected_logprobs(hidden, tokens, unembedding(model), positions, temperature, chunk_size,
                                  packed.sources)
-    hidden, _ = model.forward(tokens)
+    hidden, _ = model.forward(tokens, trunk=trunk)
     if positions is not None:
         return selected_logprobs(hidden, tokens, unembedding(model), positions, temperature, chunk_size)
     if chunk_size is None:

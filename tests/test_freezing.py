@@ -54,10 +54,53 @@ def test_frozen_layers_do_not_move_and_top_layers_match_full_gradient(model_dir)
     assert checked >= 5
 
 
+@pytest.mark.parametrize("pack_rows", [False, True])
+def test_a_cached_trunk_gives_the_updates_of_the_whole_forward(model_dir, pack_rows):
+    """With the embeddings frozen too, the frozen layers' output is computed once per step (prepare) and every
+    update starts from it: the same parameters after two epochs of minibatch updates as computing every layer in
+    every update; the embeddings and the frozen layers keep their values."""
+    from tests.test_packing import _group_batch
+
+    config = dict(trainable_layers=1, freeze_embeddings=True, minibatch_size=8, microbatch_size=4, ppo_epochs=2,
+                  old_logp_source="sampler")
+    if pack_rows:
+        config.update(pack_rows=True, group_minibatches=True, loss_aggregation="token-mean")
+    batch = _group_batch(groups=4) if pack_rows else _batch(0)
+    cached, whole = _learner(model_dir, **config), _learner(model_dir, **config)
+    whole._trunk = None  # every update runs the embedding and the frozen layers itself
+    assert cached.prepare(batch).trunk is not None and whole.prepare(batch).trunk is None
+    before = _params(cached)
+    metrics = cached.update(batch, jax.random.PRNGKey(0))
+    reference = whole.update(batch, jax.random.PRNGKey(0))
+    assert metrics["optimizer_updates"] == reference["optimizer_updates"] == (4 if pack_rows else 2)
+    np.testing.assert_allclose(metrics["total_loss"], reference["total_loss"], rtol=1e-4, atol=1e-6)
+    after, expected = _params(cached), _params(whole)
+    layers = cached.policy_model().config.num_hidden_layers
+    moved = 0
+    for key, value in after.items():
+        # Adam's steps of 1e-2 amplify float rounding where a gradient is near 0: 1e-4 is 1% of a step
+        np.testing.assert_allclose(value, expected[key], atol=1e-4, rtol=1e-4, err_msg=key)
+        index = freezing.layer_index(tuple(key.split(".")))
+        if "embed_tokens" in key or (index is not None and index < layers - 1):
+            np.testing.assert_array_equal(value, before[key], err_msg=key)
+        moved += np.abs(value - before[key]).max() > 1e-2
+    assert moved >= 5  # the top layer and the final norm learned, by far more than the tolerance
+
+
+def test_without_frozen_embeddings_the_trunk_is_not_cached(model_dir):
+    """A trained (tied) embedding table changes the frozen layers' input after every update: no cache."""
+    learner = _learner(model_dir, trainable_layers=1)
+    assert learner.prepare(_batch(0)).trunk is None
+
+
 def test_labels_and_bad_counts():
     params = {"model": {"layers": {0: {"w": 1.0}, 1: {"w": 2.0}}, "norm": {"scale": 3.0}}}
     assert freezing.labels(params, 1) == {"model": {"layers": {0: {"w": "frozen"}, 1: {"w": "train"}},
                                                     "norm": {"scale": "train"}}}
+    embedded = {"model": {"embed_tokens": {"embedding": 0.0}, "layers": {0: {"w": 1.0}}}}
+    assert freezing.labels(embedded, 0, freeze_embeddings=True) == {
+        "model": {"embed_tokens": {"embedding": "frozen"}, "layers": {0: {"w": "train"}}}}
+    assert freezing.labels(embedded, 0)["model"]["embed_tokens"]["embedding"] == "train"
     assert freezing.frozen_layer_count(30, 8) == 22
     assert freezing.frozen_layer_count(30, 0) == 0
     with pytest.raises(ConfigError, match="exceeds the model's 30 decoder layers"):
