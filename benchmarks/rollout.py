@@ -5,7 +5,8 @@
 ``step``: ``--steps`` full training steps (rollout + update) of ``configs/cpu_demo.py`` after one warm-up step
 that compiles; medians over the timed steps. ``loops``: the demo's model and BabyAI GoTo tasks with a horizon of
 6 turns (episodes end at different turns), the same episodes played by continuous episodes and by lock-step
-rounds, interleaved, ``--repeats`` times each after a compiling warm-up; episodes/s medians. ``async_env``: the
+rounds, interleaved, ``--repeats`` times each after a compiling warm-up (program builds inside a timed rollout
+taken out); episodes/s medians; ``--loop_model`` plays a trained policy instead (the demo's export). ``async_env``: the
 continuous loop with and without ``async_env_steps`` on BabyAI whose steps also wait ``--step_seconds``
 (``benchmarks/slow_env.py``: a page load or a remote server), 2 pool workers. Each part updates its keys of
 benchmarks/results/rollout.json.
@@ -28,6 +29,9 @@ _STEP_SECONDS = flags.DEFINE_list("step_seconds", ["0", "0.5"], "Added seconds p
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed training steps after the warm-up step.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rollouts per loop (part loops).")
 _ALL_ROWS = flags.DEFINE_bool("all_rows", True, "Also time lock-step rounds over all 32 rows at once (part loops).")
+_LOOP_MODEL = flags.DEFINE_string(
+    "loop_model", "", "Policy for part loops (a Hugging Face folder, e.g. the demo's runs/cpu_demo/export after "
+    "`make demo`: a trained policy ends more episodes early); default: the demo config's model.")
 _LOOP_TASKS, _LOOP_SAMPLES, _LOOP_ROWS, _LOOP_HORIZON = 8, 4, 8, 6
 _CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.py"
 
@@ -56,25 +60,34 @@ def measure_loops() -> dict:
     config = _demo_config()
     config.data.dynamic_sampling = False
     config.rollout.max_trajectory_tokens = 2048
+    if _LOOP_MODEL.value:
+        config.model.path = _LOOP_MODEL.value
     loops = {"continuous": dict(continuous=True, max_rows=_LOOP_ROWS),
              "lockstep_same_rows": dict(continuous=False, max_rows=_LOOP_ROWS),
              "lockstep_all_rows": dict(continuous=False, max_rows=0)}
     if not _ALL_ROWS.value:
         del loops["lockstep_all_rows"]
     seconds: dict[str, list[float]] = {name: [] for name in loops}
+    compiling: dict[str, list[float]] = {name: [] for name in loops}
     rounds, turns = {}, []
+    compile_stats.install()
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir)
         try:
             tasks = trainer.train_tasks[:_LOOP_TASKS]
-            for repeat in range(_REPEATS.value + 1):  # the first pass compiles every shape
+            for repeat in range(_REPEATS.value + 1):  # the first pass compiles most shapes
                 for name, settings in loops.items():
                     trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **settings)
+                    before = compile_stats.total_build_seconds()
                     played, stats = trainer.rollout(tasks, _LOOP_SAMPLES, _LOOP_HORIZON, jax.random.PRNGKey(repeat))
-                    print(f"pass {repeat} {name}: {stats.sampling_s + stats.env_s + stats.host_s:.1f} s, "
+                    compiled = compile_stats.total_build_seconds() - before
+                    total = stats.sampling_s + stats.env_s + stats.host_s
+                    print(f"pass {repeat} {name}: {total:.1f} s ({compiled:.1f} s building programs), "
                           f"{stats.rounds} sampler calls", flush=True)
                     if repeat:
-                        seconds[name].append(stats.sampling_s + stats.env_s + stats.host_s)
+                        # a shape first met in a timed pass compiles there, in whichever loop meets it first
+                        seconds[name].append(total - compiled)
+                        compiling[name].append(compiled)
                         rounds.setdefault(name, []).append(stats.rounds)
                         if name == "continuous":
                             turns += [t.turns for t in played]
@@ -89,11 +102,15 @@ def measure_loops() -> dict:
         "loops": {
             "workload": f"{_LOOP_TASKS} BabyAI GoTo tasks x {_LOOP_SAMPLES} samples, horizon {_LOOP_HORIZON}, "
                         f"temperature {config.rollout.temperature}, {_LOOP_ROWS} sampler rows (all 32 for "
-                        "lockstep_all_rows); the demo's model, prefix and stop rules",
-            "episodes_per_s": rate, "seconds": seconds, "sampler_calls": rounds,
+                        "lockstep_all_rows); the demo's prefix and stop rules",
+            "policy": _LOOP_MODEL.value or "the demo config's model (untrained)",
+            "episodes_per_s": rate, "seconds_without_program_builds": seconds, "program_build_seconds": compiling,
+            "sampler_calls": rounds,
             "turns_per_episode": {"min": min(turns), "median": median(turns), "max": max(turns),
                                   "histogram": {str(n): turns.count(n) for n in sorted(set(turns))}},
-            "statistic": f"median of {_REPEATS.value} rollouts per loop, interleaved, after a compiling pass",
+            "statistic": f"median of {_REPEATS.value} rollouts per loop, interleaved, after a compiling pass; "
+                         "the seconds spent building programs (trace, lower, XLA compile) inside a timed rollout "
+                         "are taken out",
         },
     }
 
@@ -164,10 +181,10 @@ def measure_step() -> dict:
         try:
             warmup = trainer.fit(steps=1)[0]
             timed = []
-            for _ in range(_STEPS.value):  # one step per call, to book each step's XLA compile time
-                before = compile_stats.total_compile_seconds()
+            for _ in range(_STEPS.value):  # one step per call, to book each step's program builds
+                before = compile_stats.total_build_seconds()
                 timed += trainer.fit(steps=1)
-                compile_s.append(compile_stats.total_compile_seconds() - before)
+                compile_s.append(compile_stats.total_build_seconds() - before)
         finally:
             trainer.close()
     keys = ("time/step_s", "time/sampling_s", "time/env_s", "time/train_s", "time/rollout_host_s")
@@ -187,9 +204,10 @@ def measure_step() -> dict:
         "time_split_share": {k: v / med["time/step_s"] for k, v in (("sampling", med["time/sampling_s"]),
                              ("env", med["time/env_s"]), ("train", med["time/train_s"]), ("other", other))},
         "warmup_step_s": warmup["time/step_s"],
-        # new shapes (batch, prompt and window buckets, packed update sizes) still compile in the first steps
-        "compile_s_per_step": compile_s,
-        "step_s_without_compiles": median([m["time/step_s"] - c for m, c in zip(timed, compile_s)]),
+        # new shapes (batch, prompt and window buckets, packed update sizes) still compile in the first steps;
+        # a program build is its trace, lowering and XLA compile
+        "program_build_s_per_step": compile_s,
+        "step_s_without_program_builds": median([m["time/step_s"] - c for m, c in zip(timed, compile_s)]),
         "timed_steps": len(timed),
         "statistic": "median over timed steps after one compiling warm-up step",
     }
@@ -200,7 +218,9 @@ def main(argv: list[str]) -> None:
     path = RESULTS_DIR / "rollout.json"
     payload = json.loads(path.read_text()) if path.exists() else {}  # each part replaces only its own keys
     if _PART.value in ("all", "loops"):
-        payload.update(measure_loops())
+        loops = measure_loops()
+        suffix = "_other_policy" if _LOOP_MODEL.value else ""  # the headline keys stay the default model's
+        payload.update({key + suffix: value for key, value in loops.items()})
     if _PART.value in ("all", "step"):
         payload.update(measure_step())
     if _PART.value in ("all", "async_env"):
