@@ -27,7 +27,9 @@ Settings and why:
   all got the same reward are dropped and replaced by groups of 12 further tasks); the update sees only groups
   that carry signal, two PPO epochs over them, DAPO's clip-higher (0.28) and token-mean loss.
 * only the top 8 of 30 layers train (``trainable_layers``): the backward pass stops there, which halves a
-  step's compute on a CPU; learning rate 1e-4, no KL term.
+  step's compute on a CPU; the token embeddings (and so the tied output head) stay fixed too
+  (``freeze_embeddings``), so the 22 frozen layers run once per step instead of in every update's forward pass
+  (0.254 -> 0.463 with it, 0.425 without, each one run); learning rate 1e-4, no KL term.
 
 Evaluation is greedy on 240 held-out GoTo test tasks (30 test seeds x 8 levels, never used in training), before
 and after training, with 95% Wilson intervals and paired outcomes; the report goes to
@@ -54,7 +56,8 @@ def get_config(variant: str = ""):
     c.horizon.type, c.horizon.turns = "fixed", 1
     c.algo.update(dict(
         old_logp_source="sampler", pack_rows=True, group_minibatches=True, loss_aggregation="token-mean", learning_rate=1e-4, clip_high=0.28, ppo_epochs=2, minibatch_size=8,
-        microbatch_size=4, logprob_chunk_size=128, trainable_layers=8, kl_coef=0.0, use_reference=False,
+        microbatch_size=4, logprob_chunk_size=128, trainable_layers=8, freeze_embeddings=True, kl_coef=0.0,
+        use_reference=False,
         temperature=0.7))
     c.train.update(dict(steps=12, workdir="runs/cpu_demo", eval_every=0, checkpoint_every=12, eval_before=True,
                         report_path="benchmarks/results/demo.json"))
