@@ -35,6 +35,8 @@ class Critic(nnx.Module):
 
     # The backbone pass is the policy's own (it reads only ``self.config`` and ``self.model``).
     forward = DecoderLM.forward
+    _positions = DecoderLM._positions
+    _layers = DecoderLM._layers
 
     def values(self, tokens: jax.Array) -> jax.Array:
         """Float32 values [B, T] for right-padded ``tokens`` [B, T], aligned with token positions."""
