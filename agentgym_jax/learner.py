@@ -103,9 +103,9 @@ class Learner:
         self._optimizer, self._schedule = make_optimizer(config, config.learning_rate, config.warmup_steps)
         if frozen or config.freeze_embeddings:
             self._optimizer = freezing.freeze_layers(self._optimizer, frozen, config.freeze_embeddings)
-        # Nothing below the frozen layers trains (the embeddings are frozen, or only adapters train): their output
-        # is fixed through a step, so prepare() computes it once and every update starts from it.
-        self._cache_trunk = bool(frozen) and (config.freeze_embeddings or self._lora)
+        # Nothing below the frozen layers trains: their output is fixed through a step, so prepare() computes it
+        # once and every update starts from it.
+        self._cache_trunk = bool(frozen) and config.freeze_embeddings
         with sharding.use_mesh(mesh):
             self._opt_state = self._commit(jax.jit(self._optimizer.init)(self._trainable(self._policy)[0]))
         # Under LoRA the reference is the policy with its adapters zeroed (lora.without_adapters): no copy.
