@@ -30,16 +30,20 @@ def frozen_layer_count(num_layers: int, trainable_layers: int) -> int:
     return 0 if trainable_layers == 0 else num_layers - trainable_layers
 
 
+def _path_names(path: tuple[Any, ...]) -> list[str]:
+    """A parameter path's parts as text (dict keys, sequence indices or plain strings)."""
+    return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+
+
 def layer_index(path: tuple[Any, ...]) -> int | None:
     """The decoder-layer index of a parameter path (``model/layers/3/...``), or None outside the layers."""
-    text = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-    match = _LAYER_PATH.search(text)
+    match = _LAYER_PATH.search("/".join(_path_names(path)))
     return int(match.group(1)) if match else None
 
 
 def is_embedding(path: tuple[Any, ...]) -> bool:
     """Whether a parameter path is the token embedding table (``model/embed_tokens/...``)."""
-    return "embed_tokens" in (str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "embed_tokens" in _path_names(path)
 
 
 def labels(params: Any, frozen_layers: int, freeze_embeddings: bool = False) -> Any:

@@ -254,10 +254,11 @@ class Learner:
         with sharding.use_mesh(self.mesh):
             for start in range(0, batch.num_rows, local_micro):
                 rows = slice(start, start + local_micro)
-                out = self._experience(self._policy, self._reference, self._critic, self._put(tokens[rows], False),
+                row_tokens = self._put(tokens[rows], False)
+                out = self._experience(self._policy, self._reference, self._critic, row_tokens,
                                        self._put(positions[rows], False))
                 if self._trunk is not None:
-                    out["trunk"] = self._trunk(self._policy, self._put(tokens[rows], False))
+                    out["trunk"] = self._trunk(self._policy, row_tokens)
                 for key, value in out.items():
                     parts.setdefault(key, []).append(distributed.local_rows(value))
         experience = {k: np.concatenate(v) for k, v in parts.items()}
