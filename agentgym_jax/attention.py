@@ -1,13 +1,16 @@
 """Attention math of the decoder: RoPE, packed-row segments, and softmax attention over the cache's layouts
 (keys [B, K, H, T], values [B, K, T, H]).
 
-Two kernels compute the same thing: :func:`attend` (batched dots, any number of queries) and
-:func:`attend_one_query` (fused multiply-reduces, one query per row: the decode step).
+Four kernels compute the same thing: :func:`attend` (batched dots, any number of queries: prefill into a cache),
+:func:`attend_one_query` (fused multiply-reduces, one query per row: the decode step), :func:`attend_in_blocks`
+(a scan over query blocks with FlashAttention's backward pass) and :func:`attend_causal` (teacher-forced rows:
+causal parts, each in blocks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -104,3 +107,117 @@ def attend_one_query(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
     probs = jax.nn.softmax(scores, axis=-1)
     out = (probs[..., None] * v[:, :, None].astype(f32)).sum(-2)  # [B, K, G, H]
     return out[:, None].astype(q.dtype)
+
+
+# Queries per block of :func:`attend_in_blocks`: its score tile [B, K, G, block, T] then stays small enough for the
+# CPU's caches, and the backward pass recomputes one tile at a time instead of keeping every layer's probabilities.
+QUERY_BLOCK = 128
+
+
+def _scores(q: jax.Array, k: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
+    """Masked fp32 scores [B, K, G, S, T] of q [B, S, K, G, H] over keys k [B, K, H, T]."""
+    scores = jnp.einsum("bskgh,bkht->bkgst", q, k).astype(jnp.float32) * scale
+    return jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+
+
+def _to_blocks(x: jax.Array, block: int) -> jax.Array:
+    """[B, S, ...] -> [S / block, B, block, ...] (the scan's axis first)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:]), 1, 0)
+
+
+def _from_blocks(x: jax.Array) -> jax.Array:
+    """The inverse of :func:`_to_blocks`."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blocked(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float, block: int) -> jax.Array:
+    return _blocked_forward(q, k, v, allowed, scale, block)[0]
+
+
+def _blocked_forward(q, k, v, allowed, scale, block):
+    """The output [B, S, K, G, H] and each query's log-sum-exp [S / block, B, K, G, block], one query block a step."""
+
+    def one_block(_, xs):
+        q_block, allowed_block = xs
+        scores = _scores(q_block, k, allowed_block, scale)
+        top = scores.max(-1, keepdims=True)
+        weights = jnp.exp(scores - top)
+        total = weights.sum(-1, keepdims=True)
+        out = jnp.einsum("bkgst,bkth->bskgh", (weights / total).astype(v.dtype), v)
+        return None, (out, (top + jnp.log(total))[..., 0])
+
+    _, (out, lse) = jax.lax.scan(one_block, None, (_to_blocks(q, block), _to_blocks(allowed, block)))
+    return _from_blocks(out), lse
+
+
+def _blocked_fwd(q, k, v, allowed, scale, block):
+    out, lse = _blocked_forward(q, k, v, allowed, scale, block)
+    return out, (q, k, v, allowed, out, lse)
+
+
+def _blocked_bwd(scale, block, residuals, d_out):
+    """FlashAttention's backward pass, one query block a step: the probabilities are recomputed from the saved
+    log-sum-exp; key and value gradients accumulate in fp32 across the blocks."""
+    q, k, v, allowed, out, lse = residuals
+    f32 = jnp.float32
+    # D_s = sum_h dO * O: the softmax gradient's per-query term.
+    delta = (d_out.astype(f32) * out.astype(f32)).sum(-1)  # [B, S, K, G]
+
+    def one_block(carry, xs):
+        d_k, d_v = carry
+        q_block, allowed_block, d_out_block, lse_block, delta_block = xs
+        probs = jnp.where(allowed_block[:, None, None],
+                          jnp.exp(_scores(q_block, k, allowed_block, scale) - lse_block[..., None]), 0.0)
+        d_v = d_v + jnp.einsum("bkgst,bskgh->bkth", probs.astype(v.dtype), d_out_block, preferred_element_type=f32)
+        d_probs = jnp.einsum("bskgh,bkth->bkgst", d_out_block, v, preferred_element_type=f32)
+        d_scores = (probs * (d_probs - jnp.moveaxis(delta_block, 1, -1)[..., None]) * scale).astype(q.dtype)
+        d_q = jnp.einsum("bkgst,bkht->bskgh", d_scores, k)
+        d_k = d_k + jnp.einsum("bkgst,bskgh->bkht", d_scores, q_block, preferred_element_type=f32)
+        return (d_k, d_v), d_q
+
+    zeros = (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
+    q_blocks, allowed_blocks, d_out_blocks, delta_blocks = (
+        _to_blocks(x, block) for x in (q, allowed, d_out.astype(q.dtype), delta))
+    (d_k, d_v), d_q = jax.lax.scan(one_block, zeros, (q_blocks, allowed_blocks, d_out_blocks, lse, delta_blocks))
+    return _from_blocks(d_q).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def attend_in_blocks(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,
+                     block: int = QUERY_BLOCK) -> jax.Array:
+    """:func:`attend` one block of ``block`` queries at a time (a scan), with FlashAttention's backward pass.
+
+    Both compute the same softmax attention. On a CPU the whole [B, K, G, S, T] score tensor of a 512-token
+    training row misses the caches at every elementwise pass, and its autodiff keeps every layer's probabilities
+    for the backward pass; one block's tile is a quarter of it, and the backward pass recomputes the tiles. Rows
+    whose query count is not a multiple of ``block`` (or holds a single block) take :func:`attend`."""
+    s = q.shape[1]
+    if s <= block or s % block:
+        return attend(q, k, v, allowed, scale)
+    return _blocked(q, k, v, allowed, scale, block)
+
+
+# Teacher-forced rows are cut into this many parts of queries: part i reads only the keys up to its last query.
+CAUSAL_PARTS = 2
+
+
+def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,
+                  parts: int = CAUSAL_PARTS, block: int = QUERY_BLOCK) -> jax.Array:
+    """:func:`attend` for a teacher-forced row: queries at the keys' own slots 0..S-1, ``allowed`` within the
+    causal mask. Part i of the ``parts`` equal query parts reads the keys up to its last query only (the rest are
+    masked for all of them), through :func:`attend_in_blocks`: a 512-token row computes 3/4 of the scores, in tiles.
+    Each part is a program region of its own, so more parts cost compile time."""
+    s = q.shape[1]
+    if s != k.shape[KEY_SLOT_AXIS]:
+        raise ValueError(f"attend_causal needs the row's own keys: {s} queries, {k.shape[KEY_SLOT_AXIS]} keys")
+    if parts <= 1 or s % parts:
+        return attend_in_blocks(q, k, v, allowed, scale, block)
+    size = s // parts
+    return jnp.concatenate([
+        attend_in_blocks(q[:, i * size:(i + 1) * size], k[..., :(i + 1) * size], v[:, :, :(i + 1) * size],
+                         allowed[:, i * size:(i + 1) * size, :(i + 1) * size], scale, block)
+        for i in range(parts)], axis=1)

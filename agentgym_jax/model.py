@@ -191,7 +191,10 @@ class Attention(nnx.Module):
             allowed = allowed & segments.allowed()
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(b, s, self.num_kv_heads, group, self.head_dim)
-        attend = attention.attend_one_query if s == 1 else attention.attend
+        if s == 1:
+            attend = attention.attend_one_query
+        else:  # a teacher-forced row (no cache) attends to its own keys, causally
+            attend = attention.attend if layer_cache is not None else attention.attend_causal
         out = attend(q, k, v, allowed, 1.0 / math.sqrt(self.head_dim)).reshape(b, s, self.num_heads * self.head_dim)
         return self.o_proj(out), layer_cache
 

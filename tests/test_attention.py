@@ -85,3 +85,61 @@ def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype):
     # reduction kernels (which take fp32 inputs); an fp32 cache is read where it lies.
     reads = 4 if dtype == "bfloat16" else 0
     assert sorted(roots) == sorted(["scatter"] * 4 + ["convert"] * reads), roots
+
+
+def _packed_row_problem(dtype, b=2, s=16, k=2, g=3, h=8):
+    """Random q/k/v of teacher-forced rows and their mask: causal, two episodes packed in row 0."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(keys[0], (b, s, k, g, h)).astype(dtype)
+    keys_ = jax.random.normal(keys[1], (b, k, h, s)).astype(dtype)
+    values = jax.random.normal(keys[2], (b, k, s, h)).astype(dtype)
+    d_out = jax.random.normal(keys[3], (b, s, k, g, h)).astype(dtype)
+    blocks = jnp.stack([jnp.where(jnp.arange(s) < 6, 0, 1), jnp.zeros(s, jnp.int32)])
+    segments = attention.Segments(blocks=blocks, branches=jnp.zeros((b, s), jnp.int32))
+    allowed = (jnp.arange(s)[None, None, :] <= jnp.arange(s)[None, :, None]) & segments.allowed()
+    return q, keys_, values, allowed, d_out
+
+
+def _value_and_grads(kernel, q, k, v, allowed, d_out):
+    out, pullback = jax.vjp(lambda q, k, v: kernel(q, k, v, allowed, 0.35), q, k, v)
+    return (out, *pullback(d_out))
+
+
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 6e-2)])
+@pytest.mark.parametrize("kernel", [
+    lambda q, k, v, allowed, scale: attention.attend_in_blocks(q, k, v, allowed, scale, block=4),
+    lambda q, k, v, allowed, scale: attention.attend_causal(q, k, v, allowed, scale, parts=2, block=4),
+    lambda q, k, v, allowed, scale: attention.attend_causal(q, k, v, allowed, scale, parts=4, block=2),
+    lambda q, k, v, allowed, scale: jax.checkpoint(
+        lambda q, k, v: attention.attend_causal(q, k, v, allowed, scale, parts=2, block=4))(q, k, v),
+], ids=["blocks", "causal-2-parts", "causal-4-parts", "causal-remat"])
+def test_blocked_kernels_equal_the_batched_dots_and_their_gradients(kernel, dtype, atol):
+    """The block kernels (a scan with FlashAttention's hand-written backward pass, and causal parts over it) give
+    the output and the q/k/v gradients of :func:`attention.attend` under autodiff, on packed causal rows."""
+    q, k, v, allowed, d_out = _packed_row_problem(dtype)
+    expected = _value_and_grads(attention.attend, q, k, v, allowed, d_out)
+    got = _value_and_grads(kernel, q, k, v, allowed, d_out)
+    for name, a, e in zip(("out", "d_q", "d_k", "d_v"), got, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        scale = float(jnp.abs(e.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), atol=atol * scale,
+                                   err_msg=name)
+
+
+def test_causal_parts_read_only_the_keys_before_them():
+    """Part 0 of a causal split never reads the later keys: changing them leaves its outputs (and their
+    gradients) exactly as they were; the blocked backward pass returns no gradient to keys nobody may read."""
+    q, k, v, allowed, d_out = _packed_row_problem(jnp.float32)
+    kernel = lambda q, k, v, allowed, scale: attention.attend_causal(q, k, v, allowed, scale, parts=2, block=4)
+    out, d_q, d_k, d_v = _value_and_grads(kernel, q, k, v, allowed, d_out.at[:, 8:].set(0.0))
+    k2, v2 = k.at[..., 8:].add(5.0), v.at[:, :, 8:].add(5.0)
+    out2, d_q2, _, _ = _value_and_grads(kernel, q, k2, v2, allowed, d_out.at[:, 8:].set(0.0))
+    np.testing.assert_array_equal(np.asarray(out[:, :8]), np.asarray(out2[:, :8]))
+    np.testing.assert_array_equal(np.asarray(d_q[:, :8]), np.asarray(d_q2[:, :8]))
+    assert float(jnp.abs(d_k[..., 8:]).max()) == 0.0 and float(jnp.abs(d_v[:, :, 8:]).max()) == 0.0
+
+
+def test_causal_kernel_refuses_queries_that_are_not_the_keys_slots():
+    q, k, v, allowed, _ = _packed_row_problem(jnp.float32)
+    with pytest.raises(ValueError, match="row's own keys"):
+        attention.attend_causal(q[:, :8], k, v, allowed[:, :8], 0.35)

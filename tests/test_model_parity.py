@@ -92,3 +92,30 @@ def test_remat_gives_same_gradients(tmp_path):
     plain, rematted = grads(False), grads(True)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(rematted)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_long_rows_take_the_blocked_attention_and_match_transformers(tmp_path):
+    """A 512-token row attends in causal parts of 128-query blocks (attention.attend_causal); logits and the
+    gradient of their mean still match transformers."""
+    from agentgym_jax import attention
+
+    length = 2 * attention.CAUSAL_PARTS * attention.QUERY_BLOCK
+    reference = make_hf_model("llama-gqa-tied", max_position_embeddings=length)
+    reference.save_pretrained(tmp_path)
+    ours = hf.load_model(tmp_path)
+    ids = _ids(batch=1, length=length)
+    with torch.no_grad():
+        expected = reference(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(ours(jnp.asarray(ids)))
+    assert np.abs(got - expected).max() <= 1e-4
+
+    import jax
+    from flax import nnx
+
+    graphdef, params = nnx.split(ours)
+    grads = jax.grad(lambda p: nnx.merge(graphdef, p)(jnp.asarray(ids)).mean())(params)
+    reference.zero_grad()
+    reference(torch.tensor(ids)).logits.mean().backward()
+    ours_q = np.asarray(grads["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...])
+    theirs_q = reference.model.layers[0].self_attn.q_proj.weight.grad.numpy().T
+    np.testing.assert_allclose(ours_q, theirs_q, atol=1e-6 + 1e-3 * np.abs(theirs_q).max())
