@@ -30,7 +30,7 @@ from agentgym_jax import compile_stats, prefill, sharding
 from agentgym_jax.buckets import bucket
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.model import DecoderLM, KVCache, to_dtype
-from agentgym_jax.token_draws import inverse_cdf_sample, top_k_top_p_mask
+from agentgym_jax.token_draws import draw_tokens
 
 
 class StopReason(enum.IntEnum):
@@ -85,22 +85,6 @@ class SamplerState:
         return int(self.lengths.shape[0])
 
 
-def _sample_tokens(
-    logits: jax.Array, keys: jax.Array, counters: jax.Array, temperature: jax.Array, top_p: jax.Array,
-    top_k: jax.Array, filtered: bool, logprob_temperature: float = 1.0,
-) -> tuple[jax.Array, jax.Array]:
-    """Samples one token per row; returns (ids [B], model log-probs [B])."""
-    logprobs_all = jax.nn.log_softmax(logits / logprob_temperature, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    if filtered:
-        scaled = jnp.where(top_k_top_p_mask(scaled, top_k, top_p), scaled, -jnp.inf)
-    row_keys = jax.vmap(jax.random.fold_in)(keys, counters)
-    sampled = inverse_cdf_sample(row_keys, scaled)
-    tokens = jnp.where(temperature == 0, greedy, sampled).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
-
-
 @partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_ids", "stop_sequences", "filtered", "window",
                                    "logprob_temperature"),
          donate_argnames=("cache",))
@@ -153,7 +137,7 @@ def _generate_program(
         full = running & (cache.lengths >= capacity)
         reason = jnp.where(full, StopReason.CACHE_FULL, reason)
         running = running & ~full
-        token, logprob = _sample_tokens(c["logits"], keys, count, temperature, top_p, top_k, filtered,
+        token, logprob = draw_tokens(c["logits"], keys, count, temperature, top_p, top_k, filtered,
                                         logprob_temperature)
         token = jnp.where(running, token, 0)
         write_at = jnp.where(running, count, max_new)  # out of range -> dropped

@@ -63,3 +63,46 @@ def test_tokens_tied_at_the_boundary_are_kept_together():
     logits = jnp.asarray([[-1.0, -0.5, 0.0, 0.25, -jnp.inf], [-jnp.inf, -jnp.inf, 4.0, -jnp.inf, -jnp.inf]])
     mask = np.asarray(top_k_top_p_mask(logits, jnp.asarray([3, 0]), jnp.asarray([1.0, 0.3])))
     assert mask.tolist() == [[False, True, True, True, False], [False, False, True, False, False]]
+
+
+def test_first_argmax_equals_argmax_with_ties():
+    from agentgym_jax.token_draws import first_argmax
+
+    logits = np.random.RandomState(0).randn(6, 50).astype(np.float32)
+    logits[1, [7, 30]] = 9.0  # a tie: the first index wins, as in argmax
+    logits[2] = -1.0  # all tied
+    logits[3, -1] = 9.0  # the last index
+    got = np.asarray(first_argmax(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, -1))
+    assert got[1] == 7 and got[2] == 0 and got[3] == 49
+
+
+def test_draw_tokens_per_row_do_not_depend_on_the_other_rows_kind():
+    """Greedy rows and drawn rows give the same tokens and log-probs in a mixed batch as in batches of their own
+    kind (where one of the two picks is skipped)."""
+    from agentgym_jax.token_draws import draw_tokens
+
+    rows, vocab = 4, 40
+    logits = jnp.asarray(np.random.RandomState(1).randn(rows, vocab).astype(np.float32) * 3)
+    keys = jax.random.split(jax.random.PRNGKey(5), rows)
+    counters = jnp.arange(rows, dtype=jnp.int32)
+    top_p, top_k = jnp.full((rows,), 0.9), jnp.full((rows,), 5, jnp.int32)
+
+    def draw(temperature):
+        return jax.jit(draw_tokens, static_argnames=("filtered",))(
+            logits, keys, counters, jnp.asarray(temperature, jnp.float32), top_p, top_k, filtered=True)
+
+    mixed_tokens, mixed_logprobs = draw([0.0, 1.0, 0.0, 1.0])
+    greedy_tokens, greedy_logprobs = draw([0.0] * rows)
+    drawn_tokens, drawn_logprobs = draw([1.0] * rows)
+    np.testing.assert_array_equal(np.asarray(greedy_tokens), np.argmax(np.asarray(logits), -1))
+    expected = np.where([True, False, True, False], greedy_tokens, drawn_tokens)
+    np.testing.assert_array_equal(np.asarray(mixed_tokens), expected)
+    np.testing.assert_array_equal(np.asarray(mixed_logprobs),
+                                  np.where([True, False, True, False], greedy_logprobs, drawn_logprobs))
+    log_softmax = np.asarray(jax.nn.log_softmax(logits, -1))
+    np.testing.assert_allclose(np.asarray(drawn_logprobs), log_softmax[np.arange(rows), np.asarray(drawn_tokens)],
+                               rtol=1e-6)
+    # a drawn row keeps to its top 5 tokens
+    top5 = np.argsort(-np.asarray(logits), -1)[:, :5]
+    assert all(int(t) in top5[r] for r, t in enumerate(np.asarray(drawn_tokens)))
