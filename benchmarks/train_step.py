@@ -205,9 +205,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
-    parser.add_argument("--remat", type=int, default=1)
+    parser.add_argument("--remat", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=128, help="logprob_chunk_size (0: full logits)")
-    parser.add_argument("--microbatch", type=int, default=BATCH)
+    parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--lora", type=int, default=0, help="rank > 0: compare our LoRA step with our full "
