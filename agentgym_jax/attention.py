@@ -170,18 +170,20 @@ def _blocked_bwd(scale, block, residuals, d_out):
         q_block, allowed_block, d_out_block, lse_block, delta_block = xs
         probs = jnp.where(allowed_block[:, None, None],
                           jnp.exp(_scores(q_block, k, allowed_block, scale) - lse_block[..., None]), 0.0)
-        d_v = d_v + jnp.einsum("bkgst,bskgh->bkth", probs.astype(v.dtype), d_out_block, preferred_element_type=f32)
+        # The products for d_v and d_k put the (small) query-side operand first, so XLA transposes that one and
+        # not the score tile; d_v accumulates as [B, K, H, T], the keys' layout.
+        d_v = d_v + jnp.einsum("bskgh,bkgst->bkht", d_out_block, probs.astype(v.dtype), preferred_element_type=f32)
         d_probs = jnp.einsum("bskgh,bkth->bkgst", d_out_block, v, preferred_element_type=f32)
         d_scores = (probs * (d_probs - jnp.moveaxis(delta_block, 1, -1)[..., None]) * scale).astype(q.dtype)
         d_q = jnp.einsum("bkgst,bkht->bskgh", d_scores, k)
-        d_k = d_k + jnp.einsum("bkgst,bskgh->bkht", d_scores, q_block, preferred_element_type=f32)
+        d_k = d_k + jnp.einsum("bskgh,bkgst->bkht", q_block, d_scores, preferred_element_type=f32)
         return (d_k, d_v), d_q
 
-    zeros = (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
+    zeros = (jnp.zeros(k.shape, f32), jnp.zeros(k.shape, f32))
     q_blocks, allowed_blocks, d_out_blocks, delta_blocks = (
         _to_blocks(x, block) for x in (q, allowed, d_out.astype(q.dtype), delta))
     (d_k, d_v), d_q = jax.lax.scan(one_block, zeros, (q_blocks, allowed_blocks, d_out_blocks, lse, delta_blocks))
-    return _from_blocks(d_q).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+    return _from_blocks(d_q).astype(q.dtype), d_k.astype(k.dtype), jnp.swapaxes(d_v, 2, 3).astype(v.dtype), None
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
