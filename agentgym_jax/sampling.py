@@ -138,7 +138,7 @@ def _generate_program(
         reason = jnp.where(full, StopReason.CACHE_FULL, reason)
         running = running & ~full
         token, logprob = draw_tokens(c["logits"], keys, count, temperature, top_p, top_k, filtered,
-                                        logprob_temperature)
+                                     logprob_temperature)
         token = jnp.where(running, token, 0)
         write_at = jnp.where(running, count, max_new)  # out of range -> dropped
         tokens = c["tokens"].at[rows, write_at].set(token, mode="drop")
