@@ -85,12 +85,16 @@ def write_slots(raw: jax.Array, slots: jax.Array, new: jax.Array, dtype: Any, ax
     return raw.at[index].set(to_storage(new.astype(dtype)), mode="drop")
 
 
+def _scores(q: jax.Array, k: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
+    """Masked fp32 scores [B, K, G, S, T] of q [B, S, K, G, H] over keys k [B, K, H, T]."""
+    scores = jnp.einsum("bskgh,bkht->bkgst", q, k).astype(jnp.float32) * scale
+    return jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
     """Softmax attention of q [B, S, K, G, H] over keys k [B, K, H, T] and values v [B, K, T, H] where
     ``allowed`` [B, S, T]; [B, S, K, G, H]."""
-    scores = jnp.einsum("bskgh,bkht->bkgst", q, k).astype(jnp.float32) * scale
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(_scores(q, k, allowed, scale), axis=-1).astype(v.dtype)
     return jnp.einsum("bkgst,bkth->bskgh", probs, v)
 
 
@@ -112,12 +116,6 @@ def attend_one_query(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
 # Queries per block of :func:`attend_in_blocks`: its score tile [B, K, G, block, T] then stays small enough for the
 # CPU's caches, and the backward pass recomputes one tile at a time instead of keeping every layer's probabilities.
 QUERY_BLOCK = 128
-
-
-def _scores(q: jax.Array, k: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
-    """Masked fp32 scores [B, K, G, S, T] of q [B, S, K, G, H] over keys k [B, K, H, T]."""
-    scores = jnp.einsum("bskgh,bkht->bkgst", q, k).astype(jnp.float32) * scale
-    return jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
 
 
 def _to_blocks(x: jax.Array, block: int) -> jax.Array:
