@@ -113,31 +113,38 @@ def _generate_program(
     rows = jnp.arange(batch)
     full_cache, cache = cache, prefill.window_view(cache, window)
 
-    # Prefill: write the new tokens, then read the logits at each row's last new token.
-    hidden, cache = model.forward(new_tokens, cache=cache)
+    # Each loop step feeds one token a row (first each row's last new token, then the token it drew) and draws
+    # the next from the logits it gives, so the program holds one copy of the model for S == 1, the usual call
+    # (prompts arrive prefilled but for their last token). Longer blocks write all but their last token first.
     last = jnp.maximum(new_lengths - 1, 0)
-    logits = model.logits(hidden[rows, last][:, None, :])[:, 0]
-    cache = dataclasses.replace(cache, lengths=cache.lengths + new_lengths)
+    if new_tokens.shape[1] > 1:
+        _, cache = model.forward(new_tokens, cache=cache)
+        cache = dataclasses.replace(cache, lengths=cache.lengths + last)
 
     tail = max([len(s) for s in stop_sequences] + [1])
-    reason = jnp.where(new_lengths > 0, StopReason.RUNNING, StopReason.INACTIVE).astype(jnp.int32)
+    active = new_lengths > 0
+    reason = jnp.where(active, StopReason.RUNNING, StopReason.INACTIVE).astype(jnp.int32)
     carry = dict(
-        step=jnp.int32(0), cache=cache, logits=logits, reason=reason,
+        step=jnp.int32(0), cache=cache, feed=new_tokens[rows, last], feeding=active, reason=reason,
         tokens=jnp.zeros((batch, max_new), jnp.int32), logprobs=jnp.zeros((batch, max_new), jnp.float32),
         count=jnp.zeros((batch,), jnp.int32), recent=jnp.full((batch, tail), -1, jnp.int32),
     )
     stop_id_array = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
     def cond(c):
-        return (c["step"] < max_new) & jnp.any(c["reason"] == StopReason.RUNNING)
+        return (c["step"] <= max_new) & jnp.any(c["feeding"])
 
     def body(c):
-        cache, reason, count = c["cache"], c["reason"], c["count"]
+        # Feed (stop tokens too: they belong to the conversation the next turn extends).
+        hidden, cache = model.forward(c["feed"][:, None], cache=c["cache"])
+        cache = dataclasses.replace(cache, lengths=cache.lengths + c["feeding"])
+        logits = model.logits(hidden)[:, 0]
+        reason, count = c["reason"], c["count"]
         running = reason == StopReason.RUNNING
         full = running & (cache.lengths >= capacity)
         reason = jnp.where(full, StopReason.CACHE_FULL, reason)
         running = running & ~full
-        token, logprob = draw_tokens(c["logits"], keys, count, temperature, top_p, top_k, filtered,
+        token, logprob = draw_tokens(logits, keys, count, temperature, top_p, top_k, filtered,
                                      logprob_temperature)
         token = jnp.where(running, token, 0)
         write_at = jnp.where(running, count, max_new)  # out of range -> dropped
@@ -156,11 +163,7 @@ def _generate_program(
                       jnp.where(count >= max_new_tokens, StopReason.MAX_TOKENS, StopReason.RUNNING)),
         )
         reason = jnp.where(running, new_reason, reason)
-        # Feed the sampled token (stop tokens too: they belong to the conversation the next turn extends).
-        hidden, cache = model.forward(token[:, None], cache=cache)
-        cache = dataclasses.replace(cache, lengths=cache.lengths + running)
-        logits = model.logits(hidden)[:, 0]
-        return dict(step=c["step"] + 1, cache=cache, logits=logits, reason=reason, tokens=tokens,
+        return dict(step=c["step"] + 1, cache=cache, feed=token, feeding=running, reason=reason, tokens=tokens,
                     logprobs=logprobs, count=count, recent=recent)
 
     out = jax.lax.while_loop(cond, body, carry)

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
-from agentgym_jax import hf, sharding
+from agentgym_jax import hf, sampling, sharding
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.model import KVCache
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams, StopReason
@@ -244,3 +245,32 @@ def test_logprobs_at_the_learner_temperature(pair):
     n = len(PROMPTS[0])
     np.testing.assert_allclose(result.logprobs[0], [expected[n + i - 1, t] for i, t in enumerate(result.tokens[0])],
                                atol=1e-4)
+
+
+def _dot_count(lowered) -> int:
+    return lowered.as_text().count("stablehlo.dot_general")
+
+
+def test_a_one_token_call_holds_one_copy_of_the_model(pair):
+    """Prompts arrive prefilled but for their last token, so most calls bring one token a row; their program
+    feeds it through the decode loop's forward instead of a second copy of every layer (half the build time)."""
+    _, ours, _ = pair
+    sampler = Sampler(ours, SamplerConfig(cache_length=64))
+    cache = sampler.new_state(2).cache
+    rows = jnp.ones((2,), jnp.int32)
+
+    def program(width: int):
+        return sampling._generate_program.lower(
+            sampler.state, cache, jnp.ones((2, width), jnp.int32), rows, jax.random.split(jax.random.PRNGKey(0), 2),
+            jnp.ones((2,), jnp.float32), jnp.ones((2,), jnp.float32), jnp.zeros((2,), jnp.int32), rows * 4,
+            graphdef=sampler.graphdef, max_new=16, stop_ids=(2,), stop_sequences=(), filtered=False, window=64)
+
+    def one_step(state, cache, token):
+        model = nnx.merge(sampler.graphdef, state)
+        hidden, cache = model.forward(token, cache=cache)
+        return model.logits(hidden), cache
+
+    forward_dots = _dot_count(jax.jit(one_step).lower(sampler.state, cache, jnp.ones((2, 1), jnp.int32)))
+    assert forward_dots >= 2 * ours.config.num_hidden_layers  # it counts the layers' products
+    assert _dot_count(program(1)) == forward_dots
+    assert _dot_count(program(4)) > forward_dots + ours.config.num_hidden_layers  # a block adds a whole forward
