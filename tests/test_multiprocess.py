@@ -76,8 +76,11 @@ def _assert_same_run(got: Path, expected: Path) -> None:
     for row, ref in zip(rows, reference):
         keys = [k for k in ref if not any(part in k for part in CLOCK_DEPENDENT)]
         assert sorted(keys) == sorted(k for k in row if not any(part in k for part in CLOCK_DEPENDENT))
+        # Step 1 starts from the same parameters; later steps start from parameters that agree to 5e-5 (see
+        # below), and a metric such as the largest ratio inherits that: 3.8e-5 relative on another machine.
+        rel = 1e-5 if row["step"] == 1 else 2e-4
         for key in keys:
-            assert row[key] == pytest.approx(ref[key], abs=1e-5, rel=1e-5), (row["step"], key)
+            assert row[key] == pytest.approx(ref[key], abs=1e-5, rel=rel), (row["step"], key)
     _assert_same_params(got / "export", expected / "export")
 
 
