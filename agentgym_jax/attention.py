@@ -1,7 +1,8 @@
 """Attention math of the decoder: RoPE, packed-row segments, and softmax attention over the cache's layouts
 (keys [B, K, H, T], values [B, K, T, H]).
 
-Four kernels compute the same thing: :func:`attend` (batched dots, any number of queries: prefill into a cache),
+Four kernels compute the same thing: :func:`attend` (one product per kv head over its [G*S, H] queries, in
+query blocks past 128: prefill into a cache),
 :func:`attend_one_query` (fused multiply-reduces, one query per row: the decode step), :func:`attend_in_blocks`
 (a scan over query blocks with FlashAttention's backward pass) and :func:`attend_causal` (teacher-forced rows:
 causal parts, each in blocks).
