@@ -143,3 +143,25 @@ def test_causal_kernel_refuses_queries_that_are_not_the_keys_slots():
     q, k, v, allowed, _ = _packed_row_problem(jnp.float32)
     with pytest.raises(ValueError, match="row's own keys"):
         attention.attend_causal(q[:, :8], k, v, allowed[:, :8], 0.35)
+
+
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_attend_over_more_queries_than_a_block_equals_a_plain_softmax(dtype, atol):
+    """:func:`attention.attend` runs more than ``QUERY_BLOCK`` queries (a long prompt prefilled after cached
+    tokens) one query block at a time: its output is a plain float64 softmax over the allowed keys."""
+    b, s, kv, g, h, t = 2, 2 * attention.QUERY_BLOCK, 2, 3, 8, 2 * attention.QUERY_BLOCK + 64
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(keys[0], (b, s, kv, g, h)).astype(dtype)
+    cache_k = jax.random.normal(keys[1], (b, kv, h, t)).astype(dtype)
+    cache_v = jax.random.normal(keys[2], (b, kv, t, h)).astype(dtype)
+    cached = np.array([0, 50])  # row 1's queries follow 50 cached tokens
+    allowed = np.arange(t)[None, None, :] <= (cached[:, None, None] + np.arange(s)[None, :, None])
+    got = np.asarray(attention.attend(q, cache_k, cache_v, jnp.asarray(allowed), 0.35), np.float32)
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, cache_k, cache_v))
+    scores = np.einsum("bskgh,bkht->bskgt", q64, k64) * 0.35
+    scores = np.where(allowed[:, :, None, None, :], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected = np.einsum("bskgt,bkth->bskgh", probs, v64)
+    assert got.shape == (b, s, kv, g, h)
+    np.testing.assert_allclose(got, expected, atol=atol * np.abs(expected).max())
