@@ -76,15 +76,19 @@ def test_a_cached_trunk_gives_the_updates_of_the_whole_forward(model_dir, pack_r
     np.testing.assert_allclose(metrics["total_loss"], reference["total_loss"], rtol=1e-4, atol=1e-6)
     after, expected = _params(cached), _params(whole)
     layers = cached.policy_model().config.num_hidden_layers
-    moved = 0
+    moved, apart, total = 0, 0, 0
     for key, value in after.items():
-        # Adam's steps of 1e-2 amplify float rounding where a gradient is near 0: 1e-4 is 1% of a step
-        np.testing.assert_allclose(value, expected[key], atol=1e-4, rtol=1e-4, err_msg=key)
+        # Adam's steps of 1e-2 amplify float rounding where a gradient is near 0 (the two programs' products may
+        # sum in other orders): 5e-4 is 2% of a median step, and almost every entry agrees to 1e-5 (below).
+        np.testing.assert_allclose(value, expected[key], atol=5e-4, rtol=0, err_msg=key)
+        apart += int((np.abs(value - expected[key]) > 1e-5).sum())
+        total += value.size
         index = freezing.layer_index(tuple(key.split(".")))
         if "embed_tokens" in key or (index is not None and index < layers - 1):
             np.testing.assert_array_equal(value, before[key], err_msg=key)
         moved += np.abs(value - before[key]).max() > 1e-2
     assert moved >= 5  # the top layer and the final norm learned, by far more than the tolerance
+    assert apart < 0.005 * total, (apart, total)  # measured with packed rows: 136 of 99,008 (4 with einsum attention)
 
 
 def test_without_frozen_embeddings_the_trunk_is_not_cached(model_dir):
