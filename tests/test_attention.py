@@ -165,3 +165,13 @@ def test_attend_over_more_queries_than_a_block_equals_a_plain_softmax(dtype, ato
     expected = np.einsum("bskgt,bkth->bskgh", probs, v64)
     assert got.shape == (b, s, kv, g, h)
     np.testing.assert_allclose(got, expected, atol=atol * np.abs(expected).max())
+
+
+def test_a_bf16_cache_reads_back_every_bit_pattern_exactly():
+    """bf16 entries come back from their raw uint16 bits (widened by a shift) as the same numbers: all 65,536
+    patterns, signs, infinities, subnormals and zeros included (NaNs stay NaN)."""
+    bits = jnp.arange(2 ** 16, dtype=jnp.uint32).astype(jnp.uint16)
+    got = np.asarray(attention.from_storage(bits, jnp.bfloat16).astype(jnp.float32))
+    expected = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(got, expected)
+    assert np.array_equal(np.signbit(got), np.signbit(expected))
