@@ -242,7 +242,8 @@ def attend_in_blocks(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
     Both compute the same softmax attention. On a CPU the whole [B, K, G, S, T] score tensor of a 512-token
     training row misses the caches at every elementwise pass, and its autodiff keeps every layer's probabilities
     for the backward pass; one block's tile is a quarter of it, and the backward pass recomputes the tiles. Rows
-    whose query count is not a multiple of ``block`` (or holds a single block) take :func:`attend`."""
+    whose query count is not a multiple of ``block`` (or holds a single block) take the dense kernel: every query
+    at once, differentiated by autodiff (what :func:`attend` runs for up to ``QUERY_BLOCK`` queries)."""
     s = q.shape[1]
     if s <= block or s % block:
         return _dense(q, k, v, allowed, scale)
