@@ -17,6 +17,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from agentgym_jax.mixed_matmul import mixed_dot
 from agentgym_jax.registry import Registry
@@ -282,6 +283,42 @@ def logprobs_from_logits(logits: Array, targets: Array) -> Array:
     return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
+@jax.custom_vjp
+def logprobs_and_entropy(logits: Array, targets: Array) -> tuple[Array, Array]:
+    """``(logprobs_from_logits, entropy_from_logits)`` of ``logits`` [..., V], with the same values and gradients,
+    in fewer passes over the vocabulary: composing the two had XLA evaluate three exponentials over [rows, V]
+    forward and more in the backward pass (a tenth of a CPU training step); here the backward pass takes one
+    and keeps only the shifted logits from the forward pass."""
+    return _logprobs_and_entropy_forward(logits, targets)[0]
+
+
+def _logprobs_and_entropy_forward(logits: Array, targets: Array):
+    logits = logits.astype(jnp.float32)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
+    exponentials = jnp.exp(shifted)
+    total = jnp.sum(exponentials, axis=-1, keepdims=True)
+    log_total = jnp.log(total)
+    # -sum(p log p) = log(total) - sum(e * shifted) / total; a banned (-inf) entry has e = 0 and adds nothing
+    entropy = (log_total - jnp.sum(exponentials * _finite_or_zero(shifted), axis=-1, keepdims=True) / total)[..., 0]
+    picked = (jnp.take_along_axis(shifted, targets[..., None].astype(jnp.int32), axis=-1) - log_total)[..., 0]
+    return (picked, entropy), (shifted, log_total, entropy, targets)
+
+
+def _logprobs_and_entropy_backward(residuals, cotangents):
+    shifted, log_total, entropy, targets = residuals
+    d_logp, d_entropy = cotangents
+    log_probs = shifted - log_total
+    probs = jnp.exp(log_probs)
+    # d logp[t] / d logits = onehot(t) - p;  d entropy / d logits = -p (log p + entropy)
+    grad = -probs * (d_logp[..., None] + d_entropy[..., None] * (_finite_or_zero(log_probs) + entropy[..., None]))
+    hit = targets[..., None].astype(jnp.int32) == jnp.arange(shifted.shape[-1], dtype=jnp.int32)
+    return grad + jnp.where(hit, d_logp[..., None], 0.0), np.zeros(targets.shape, jax.dtypes.float0)
+
+
+logprobs_and_entropy.defvjp(_logprobs_and_entropy_forward, _logprobs_and_entropy_backward)
+
+
 def chunked_logprobs_and_entropy(
     hidden: Array, unembedding: Array, targets: Array, chunk_size: int
 ) -> tuple[Array, Array]:
@@ -303,8 +340,7 @@ def chunked_logprobs_and_entropy(
     @jax.checkpoint
     def one_chunk(args: tuple[Array, Array]) -> tuple[Array, Array]:
         hidden_chunk, target_chunk = args
-        logits = mixed_dot(hidden_chunk, unembedding, out_dtype=jnp.float32)
-        return logprobs_from_logits(logits, target_chunk), entropy_from_logits(logits)
+        return logprobs_and_entropy(mixed_dot(hidden_chunk, unembedding, out_dtype=jnp.float32), target_chunk)
 
     hidden_chunks = hidden.reshape(batch, num_chunks, chunk_size, -1).swapaxes(0, 1)
     target_chunks = targets.reshape(batch, num_chunks, chunk_size).swapaxes(0, 1)

@@ -66,8 +66,7 @@ def token_logprobs_from_logits(logits: Array, tokens: Array, temperature: float 
     """``(logp, entropy)`` [B, T] of each token under ``logits`` [B, T, V] read at the previous position."""
     logits = logits.astype(jnp.float32) / temperature
     targets = jnp.roll(tokens, -1, axis=1)
-    logp = losses.logprobs_from_logits(logits, targets)
-    entropy = losses.entropy_from_logits(logits)
+    logp, entropy = losses.logprobs_and_entropy(logits, targets)
     return to_token_positions(logp), to_token_positions(entropy)
 
 
@@ -121,7 +120,7 @@ def selected_logprobs(hidden: Array, tokens: Array, head: Array, positions: Arra
         logp, entropy = logp[:, : positions.shape[1]], entropy[:, : positions.shape[1]]
     else:
         logits = mixed_dot(before, head, out_dtype=jnp.float32)
-        logp, entropy = losses.logprobs_from_logits(logits, targets), losses.entropy_from_logits(logits)
+        logp, entropy = losses.logprobs_and_entropy(logits, targets)
     logp, entropy = jnp.where(valid, logp, 0.0), jnp.where(valid, entropy, 0.0)
     rows = jnp.arange(tokens.shape[0])[:, None]
     scatter = lambda values: jnp.zeros(tokens.shape, jnp.float32).at[rows, index].add(values)
