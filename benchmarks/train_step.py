@@ -5,6 +5,8 @@ token, the PPO-clip loss on GRPO advantages with an entropy bonus (seq-mean-toke
 clipping at 1.0 and one AdamW update, with fp32 master parameters. ``bfloat16`` means bf16 compute with fp32
 parameters on both sides (ours: ``compute_dtype='bfloat16'``; torch: ``torch.autocast('cpu', torch.bfloat16)``).
 Ours runs ``Learner.update`` (old log-probs from the batch, no reference policy: one train step per call).
+Both accumulate gradients over microbatches of the batch's rows (the same gradient whatever their size); each side
+runs at every size in ``--microbatches`` and is reported at its fastest, as a user would configure it.
 
 Each side runs in its own subprocess, so its peak RSS is its own. The achieved FLOP/s (model FLOPs: 6 x matmul
 parameters x tokens + causal-agnostic attention 12 x layers x B x T^2 x heads x head_dim) is divided by the FLOP/s
@@ -12,7 +14,7 @@ of a large jitted JAX matmul of the same dtype, measured in the same run.
 
     .venv/bin/python -m benchmarks.train_step            # writes benchmarks/results/train_step.json
     .venv/bin/python -m benchmarks.train_step --steps 2  # fewer timed steps
-    .venv/bin/python -m benchmarks.train_step --lora 16  # ours: LoRA (rank 16, every projection) vs full
+    .venv/bin/python -m benchmarks.train_step --lora 16 --microbatches 4  # ours: LoRA (rank 16) vs full
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def run_ours(model_dir: str, dtype: str, steps: int, options: dict[str, Any]) ->
     return dict(first_call_s=seconds[0], step_seconds=seconds[1:], losses=losses, options=options)
 
 
-def run_torch(model_dir: str, dtype: str, steps: int) -> dict[str, Any]:
+def run_torch(model_dir: str, dtype: str, steps: int, microbatch: int) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -114,30 +116,36 @@ def run_torch(model_dir: str, dtype: str, steps: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
-    def step() -> float:
+    def accumulate(rows: slice) -> float:
+        """Backward of the rows' share of the batch loss (seq-mean-token-mean over all BATCH rows)."""
         with autocast:
-            logits = model(input_ids=tokens).logits
+            logits = model(input_ids=tokens[rows]).logits
         logits = logits[:, :-1].float()
         log_probs = torch.log_softmax(logits, -1)
-        logp = log_probs.gather(-1, tokens[:, 1:, None])[..., 0]
+        logp = log_probs.gather(-1, tokens[rows, 1:, None])[..., 0]
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-        m = mask[:, 1:]
-        ratio = torch.exp(logp - old_logp[:, 1:])
-        pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
+        m = mask[rows, 1:]
+        ratio = torch.exp(logp - old_logp[rows, 1:])
+        pg = torch.maximum(-advantages[rows] * ratio, -advantages[rows] * ratio.clamp(0.8, 1.2))
         per_token = pg - 0.001 * entropy
-        loss = ((per_token * m).sum(1) / m.sum(1)).mean()
+        loss = ((per_token * m).sum(1) / m.sum(1)).sum() / BATCH
         loss.backward()
+        return float(loss)
+
+    def step() -> float:
+        loss = sum(accumulate(slice(start, start + microbatch)) for start in range(0, BATCH, microbatch))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return loss
 
     seconds, losses = [], []
     for _ in range(steps + 1):
         start = time.perf_counter()
         losses.append(step())
         seconds.append(time.perf_counter() - start)
-    return dict(first_call_s=seconds[0], step_seconds=seconds[1:], losses=losses, threads=torch.get_num_threads())
+    return dict(first_call_s=seconds[0], step_seconds=seconds[1:], losses=losses, threads=torch.get_num_threads(),
+                microbatch=microbatch)
 
 
 def run_matmul(size: int, repeats: int = 5) -> dict[str, Any]:
@@ -152,7 +160,7 @@ def _child(args: argparse.Namespace) -> None:
     if args.side == "ours":
         result = run_ours(args.model_dir, args.dtype, args.steps, options)
     elif args.side == "torch":
-        result = run_torch(args.model_dir, args.dtype, args.steps)
+        result = run_torch(args.model_dir, args.dtype, args.steps, options["microbatch"])
     else:
         result = run_matmul(options["size"])
     result["peak_rss_gb"] = peak_rss_mib() / 1024.0
@@ -207,7 +215,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--remat", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=128, help="logprob_chunk_size (0: full logits)")
-    parser.add_argument("--microbatch", type=int, default=4)
+    parser.add_argument("--microbatches", default="2,4,8", help="rows per microbatch to try; each side is "
+                        "reported at its fastest (the same gradient either way: accumulation is exact)")
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--lora", type=int, default=0, help="rank > 0: compare our LoRA step with our full "
@@ -228,7 +237,8 @@ def main() -> None:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     flops = model_flops_per_step(config)
     tokens = BATCH * SEQ_LEN
-    options = dict(remat=bool(args.remat), chunk=args.chunk or None, microbatch=args.microbatch)
+    microbatches = [int(m) for m in args.microbatches.split(",")]
+    options = dict(remat=bool(args.remat), chunk=args.chunk or None, microbatch=microbatches[0])
     if args.lora:
         _compare_lora(model_dir, args, options, tokens)
         return
@@ -236,20 +246,28 @@ def main() -> None:
     matmul = _spawn("matmul", model_dir, "float32", 0, dict(size=args.matmul_size))
     per_dtype: dict[str, Any] = {}
     for dtype in dtypes:
-        ours = _spawn("ours", model_dir, dtype, args.steps, options)
-        torch_side = _spawn("torch", model_dir, dtype, args.steps, {})
+        runs: dict[str, dict[int, Any]] = {"ours": {}, "torch": {}}
+        for microbatch in microbatches:
+            runs["ours"][microbatch] = _spawn("ours", model_dir, dtype, args.steps, dict(options, microbatch=microbatch))
+            runs["torch"][microbatch] = _spawn("torch", model_dir, dtype, args.steps, dict(microbatch=microbatch))
+        fastest = {side: min(by_mb, key=lambda mb: median(by_mb[mb]["step_seconds"])) for side, by_mb in runs.items()}
+        ours, torch_side = runs["ours"][fastest["ours"]], runs["torch"][fastest["torch"]]
         ours_s, torch_s = median(ours["step_seconds"]), median(torch_side["step_seconds"])
         per_dtype[dtype] = dict(
             ours=dict(tokens_per_s=tokens / ours_s, step_s=ours_s, peak_rss_gb=ours["peak_rss_gb"],
-                      first_call_s=ours["first_call_s"], step_seconds=ours["step_seconds"], loss=ours["losses"][0]),
+                      first_call_s=ours["first_call_s"], step_seconds=ours["step_seconds"], loss=ours["losses"][0],
+                      microbatch=fastest["ours"]),
             torch=dict(tokens_per_s=tokens / torch_s, step_s=torch_s, peak_rss_gb=torch_side["peak_rss_gb"],
                        first_call_s=torch_side["first_call_s"], step_seconds=torch_side["step_seconds"],
-                       loss=torch_side["losses"][0], threads=torch_side["threads"]),
+                       loss=torch_side["losses"][0], threads=torch_side["threads"], microbatch=fastest["torch"]),
             ratio_vs_torch=torch_s / ours_s,
             achieved_flops_per_s_ours=flops / ours_s,
             achieved_flops_per_s_torch=flops / torch_s,
             mfu_vs_matmul_ours=flops / ours_s / matmul["flops_per_s"][dtype],
             mfu_vs_matmul_torch=flops / torch_s / matmul["flops_per_s"][dtype],
+            by_microbatch={side: {str(mb): dict(step_s=median(r["step_seconds"]), peak_rss_gb=r["peak_rss_gb"],
+                                                loss=r["losses"][0]) for mb, r in by_mb.items()}
+                           for side, by_mb in runs.items()},
         )
     headline = "float32" if "float32" in per_dtype else dtypes[0]
     best_ours = max(per_dtype, key=lambda d: per_dtype[d]["ours"]["tokens_per_s"])
@@ -271,9 +289,10 @@ def main() -> None:
         batch=dict(rows=BATCH, seq_len=SEQ_LEN, agent_tokens_per_row=int(agent_mask()[0].sum()),
                    layout=f"{PROMPT_TOKENS}-token prompt, {TURNS} x ({AGENT_TOKENS} agent + {OBS_TOKENS} observation)"),
         model_flops_per_step=flops,
-        ours_options=options,
+        ours_options={k: v for k, v in options.items() if k != "microbatch"},
         timed_steps=args.steps,
-        statistic="median of timed steps after one warm-up (compiling) step; each side in its own subprocess",
+        statistic="median of timed steps after one warm-up (compiling) step; each side in its own subprocess, at "
+                  "each microbatch size, and reported at its fastest",
         machine=cpu_facts(),
     )
     if not args.no_write:
