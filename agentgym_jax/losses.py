@@ -269,7 +269,8 @@ def entropy_from_logits(logits: Array) -> Array:
     """Entropy ``-sum(p * log p)`` of ``softmax(logits)`` over the last axis, in float32.
 
     Uses the max-shifted log-softmax (no cancellation for peaked distributions) and is finite, in value and
-    gradient, for large logits and for ``-inf`` entries (banned tokens).
+    gradient, for large logits and for ``-inf`` entries (banned tokens). The learner calls the one-pass
+    :func:`logprobs_and_entropy`; this autodiff form is its reference (tests compare the two).
     """
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     probs = jnp.exp(log_probs)
@@ -277,7 +278,8 @@ def entropy_from_logits(logits: Array) -> Array:
 
 
 def logprobs_from_logits(logits: Array, targets: Array) -> Array:
-    """``log softmax(logits)[target]`` per position, in float32 (``logits`` [..., V], ``targets`` [...])."""
+    """``log softmax(logits)[target]`` per position, in float32 (``logits`` [..., V], ``targets`` [...]); the
+    autodiff reference of :func:`logprobs_and_entropy`, which the learner calls."""
     logits = logits.astype(jnp.float32)
     picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(logits, axis=-1)

@@ -248,7 +248,8 @@ def main() -> None:
     for dtype in dtypes:
         runs: dict[str, dict[int, Any]] = {"ours": {}, "torch": {}}
         for microbatch in microbatches:
-            runs["ours"][microbatch] = _spawn("ours", model_dir, dtype, args.steps, dict(options, microbatch=microbatch))
+            ours_options = dict(options, microbatch=microbatch)
+            runs["ours"][microbatch] = _spawn("ours", model_dir, dtype, args.steps, ours_options)
             runs["torch"][microbatch] = _spawn("torch", model_dir, dtype, args.steps, dict(microbatch=microbatch))
         fastest = {side: min(by_mb, key=lambda mb: median(by_mb[mb]["step_seconds"])) for side, by_mb in runs.items()}
         ours, torch_side = runs["ours"][fastest["ours"]], runs["torch"][fastest["torch"]]
