@@ -7,10 +7,11 @@ MODEL_STAMP := $(VENV)/.default-model-prepared
 SEARCHQA_STAMP := $(VENV)/.searchqa-generated
 WEB_STAMP := $(VENV)/.web-browser-ready
 TASKS_STAMP := $(VENV)/.task-datasets-built
+NATIVE_STAMP := $(VENV)/.native-kernels-built
 
 .PHONY: setup model test test-fast demo bench bazel-test clean-venv
 
-setup: $(STAMP) $(MODEL_STAMP) $(SEARCHQA_STAMP) $(WEB_STAMP) $(TASKS_STAMP)
+setup: $(STAMP) $(MODEL_STAMP) $(SEARCHQA_STAMP) $(WEB_STAMP) $(TASKS_STAMP) $(NATIVE_STAMP)
 
 # One pip call for runtime and test pins, so transformers/accelerate resolve against the pinned CPU torch.
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
@@ -39,6 +40,14 @@ $(WEB_STAMP): $(STAMP) environments/web/requirements-data.txt
 	command -v chromium >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 	$(PY) -m pip install --quiet --no-deps -r environments/web/requirements-data.txt
+	touch $@
+
+# The native CPU kernels (agentgym_jax/native_kernels.py): a C++ compiler (Debian's g++ when none is there), then
+# the kernel library built into the cache once (~3 s).
+$(NATIVE_STAMP): $(STAMP) agentgym_jax/native/decode_attention.cc
+	command -v $${CXX:-g++} >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq g++; }
+	$(PY) -m agentgym_jax.native_kernels
 	touch $@
 
 # Every env's train/test task list as a TFDS ArrayRecord dataset in <cache>/tfds (environments/task_datasets.py).

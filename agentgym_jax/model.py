@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from agentgym_jax import attention, sharding
+from agentgym_jax import attention, native_kernels, sharding
 from agentgym_jax.attention import Segments
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.lora import Linear
@@ -140,6 +140,12 @@ def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rn
                   rngs=rngs, rank=config.lora_rank if adapted else 0, alpha=config.lora_alpha)
 
 
+def _native_decode(layer_cache: attention.LayerCache) -> bool:
+    """Whether a decode step over ``layer_cache`` runs :func:`native_kernels.decode_attention` (an fp32 or bf16
+    cache, on one CPU device; :func:`native_kernels.enabled`)."""
+    return jnp.dtype(layer_cache.dtype) in (jnp.float32, jnp.bfloat16) and native_kernels.enabled()
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optionally against a KV cache."""
 
@@ -181,6 +187,12 @@ class Attention(nnx.Module):
             k_all = write(layer_cache.keys, k, attention.KEY_SLOT_AXIS)
             v_all = write(layer_cache.values, v, attention.VALUE_SLOT_AXIS)
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
+            if s == 1 and _native_decode(layer_cache):
+                group = self.num_heads // self.num_kv_heads
+                out = native_kernels.decode_attention(
+                    q.reshape(b, s, self.num_kv_heads, group, self.head_dim), k_all, v_all, cache_lengths + 1,
+                    1.0 / math.sqrt(self.head_dim))
+                return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), layer_cache
             k = attention.from_storage(k_all, layer_cache.dtype).astype(q.dtype)
             v = attention.from_storage(v_all, layer_cache.dtype).astype(q.dtype)
         else:

@@ -90,6 +90,12 @@ def use_mesh(mesh: Mesh | None) -> Iterator[Mesh | None]:
         yield mesh
 
 
+def active_mesh_size() -> int:
+    """Devices of the mesh active now (1 when none is)."""
+    mesh = _active_mesh()
+    return 1 if mesh is None else mesh.size
+
+
 def _active_mesh() -> Any:
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh is None or mesh.empty else mesh

@@ -2,7 +2,8 @@
 
 Measures generated tokens/s (end to end: prefill + 64 greedy tokens, no early stop) at batch 1, 8 and 32 with
 ~200-token prompts, fp32 and bf16 for both; compile time apart from steady state; decode step time beside its
-roofline (the larger of the memory-bandwidth bound and the compute bound at the measured matmul peak); a
+roofline (the larger of the memory-bandwidth bound and the compute bound at the measured matmul peak), and with
+the pure-JAX attention in place of the native decode kernel (``agentgym_jax/native_kernels.py``); a
 multi-turn rollout with KV-cache extend vs re-prefilling the history each turn; which matmul paths XLA and
 torch take on this CPU; peak RSS. Ours and torch are timed interleaved (the machine
 is shared), medians of the repeats. Writes ``benchmarks/results/sampler.json``.
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from absl import app, flags
 
-from agentgym_jax import compile_stats, hf
+from agentgym_jax import compile_stats, hf, native_kernels
 from agentgym_jax.default_model import prepare_default_model
 from agentgym_jax.model import KVCache
 from agentgym_jax.sampling import PROGRAM_NAME, Sampler, SamplerConfig, SamplingParams
@@ -152,10 +153,33 @@ def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: f
                    **decode_bound(ours[dtype].config, dtype, batch, PROMPT_TOKENS + NEW_TOKENS / 2, bandwidth,
                                 peaks[dtype]))
         row["decode_vs_bound"] = step_ms / row["bound_step_ms"]
+        # the same decode steps with the pure-JAX attention (the native kernel off; prefill does not use it)
+        pure_s = _pure_jax_seconds(ours[dtype], prompts)
+        row.update(ours_seconds_pure_jax_attention=pure_s,
+                   ours_decode_step_ms_pure_jax_attention=1000 * (pure_s - prefill) / (NEW_TOKENS - 1))
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("runs")},
               flush=True)
         rows.append(row)
     return rows
+
+
+def _pure_jax_seconds(model: Any, prompts: list[list[int]]) -> float:
+    """Median seconds of a generate call with ``AGENTGYM_JAX_NATIVE_KERNELS=0`` (programs traced anew, and again
+    afterwards with the kernels back on)."""
+    previous = os.environ.get(native_kernels.ENV_VAR)
+    os.environ[native_kernels.ENV_VAR] = "0"
+    try:
+        jax.clear_caches()
+        sampler = Sampler(model, SamplerConfig(cache_length=512, window_buckets=WINDOW_BUCKETS,
+                                               new_token_buckets=(1, 64)))
+        _ours_run(sampler, prompts, NEW_TOKENS)  # builds the programs
+        return common.median([_ours_run(sampler, prompts, NEW_TOKENS) for _ in range(2)])
+    finally:
+        if previous is None:
+            os.environ.pop(native_kernels.ENV_VAR)
+        else:
+            os.environ[native_kernels.ENV_VAR] = previous
+        jax.clear_caches()
 
 
 def multi_turn(model: Any, batch: int) -> dict[str, Any]:
@@ -229,6 +253,9 @@ def main(argv: Sequence[str]) -> None:
         ratio_b8=best_ratio(8), ratio_b32=best_ratio(32), multiturn_ratio=multiturn["ratio"],
         ratio_b1=best_ratio(1),
         decode_vs_bound={f"b{r['batch']}_{r['dtype']}": r["decode_vs_bound"] for r in table},
+        native_attention_decode_speedup={
+            f"b{r['batch']}_{r['dtype']}": r["ours_decode_step_ms_pure_jax_attention"] / r["ours_decode_step_ms"]
+            for r in table},
         definition=("tokens/s = batch x 64 generated tokens / wall seconds of one generate call (prefill of the "
                     "~200-token prompts included, greedy, no early stop); ratios use each side's best dtype; "
                     "multiturn_ratio = re-prefill seconds / extend seconds"),

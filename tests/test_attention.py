@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentgym_jax import attention
+from agentgym_jax import attention, native_kernels
 
 
 @pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
@@ -43,11 +43,13 @@ def test_write_slots_moves_exact_values_and_drops_past_the_end(dtype, axis):
     assert attention.storage_dtype(dtype) == (jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else dtype)
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype):
+def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype, native, monkeypatch):
     """What XLA emits for one decode step, counted: per layer, the in-place writes (scatters) of keys and values
-    and, for bf16, one read of each into fp32. A layout the attention cannot read in place, or a scatter XLA
-    cannot run in the cache's own type, shows up here as more cache-sized copies, transposes or converts."""
+    and, for bf16 on the pure-JAX path, one read of each into fp32 (the native kernel reads the bits in place). A
+    layout the attention cannot read in place, or a scatter XLA cannot run in the cache's own type, shows up here
+    as more cache-sized copies, transposes or converts."""
     import re
 
     from flax import nnx
@@ -63,6 +65,7 @@ def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype):
         hidden, cache = nnx.merge(graphdef, state).forward(token[:, None], cache=cache)
         return hidden, cache
 
+    monkeypatch.setenv(native_kernels.ENV_VAR, native)
     cache = KVCache.zeros(config, 4, 40)
     hlo = jax.jit(step, donate_argnums=1).lower(state, cache, jnp.zeros((4,), jnp.int32)).compile().as_text()
     cache_shapes = {"[4,2,8,40]", "[4,2,40,8]"}  # keys, values
@@ -81,10 +84,11 @@ def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype):
             body = hlo[hlo.index("\n" + called + " "):]
             body = body[: body.index("\n}")]
             roots.append(re.search(r"ROOT %\S+ = \S+ ([\w-]+)\(", body).group(1))
-    # Each layer writes its keys and values in place. A bf16 cache is read once into fp32 for the CPU's
-    # reduction kernels (which take fp32 inputs); an fp32 cache is read where it lies.
-    reads = 4 if dtype == "bfloat16" else 0
+    # Each layer writes its keys and values in place. On the pure-JAX path a bf16 cache is read once into fp32
+    # for the CPU's reduction kernels (which take fp32 inputs); an fp32 cache is read where it lies.
+    reads = 4 if dtype == "bfloat16" and native == "0" else 0
     assert sorted(roots) == sorted(["scatter"] * 4 + ["convert"] * reads), roots
+    assert hlo.count(f'custom_call_target="{native_kernels.TARGET}"') == (2 if native == "1" else 0)
 
 
 def _packed_row_problem(dtype, b=2, s=16, k=2, g=3, h=8):
