@@ -141,8 +141,8 @@ def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rn
 
 
 def _native_decode(layer_cache: attention.LayerCache) -> bool:
-    """Whether a decode step over ``layer_cache`` runs :func:`native_kernels.decode_attention` (an fp32 or bf16
-    cache, on one CPU device; :func:`native_kernels.enabled`)."""
+    """Whether a decode step over ``layer_cache`` runs :func:`native_kernels.decode_attention`: an fp32 or bf16
+    cache, on CPU outside a mesh of several devices (:func:`native_kernels.enabled`)."""
     return jnp.dtype(layer_cache.dtype) in (jnp.float32, jnp.bfloat16) and native_kernels.enabled()
 
 
