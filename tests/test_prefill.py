@@ -108,6 +108,23 @@ def test_chunked_prefill_gives_the_samples_and_caches_of_one_block(model):
     np.testing.assert_array_equal(chunked[2], whole[2])
 
 
+def test_a_partial_chunk_goes_in_smaller_buckets_where_that_saves_positions(model):
+    sampler = Sampler(model, SamplerConfig(prefill_chunk=128))
+    assert sampler._prefill_pieces(199) == [128, 64, 7] and sampler._prefill_positions(199) == 128 + 64 + 16
+    assert sampler._prefill_pieces(69) == [64, 5] and sampler._prefill_positions(69) == 80  # not 128
+    assert sampler._prefill_pieces(100) == [100]  # 64 + 64 saves nothing
+    assert sampler._prefill_pieces(300) == [128, 128, 44]  # 32 + 16 would save 16 of 64: not worth a call
+    assert Sampler(model, SamplerConfig(prefill_chunk=0))._prefill_pieces(69) == [69]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    pieces = _two_turns(model, call_cost=0, sampling=sampling, chunk=128)  # the 69-token prefill: 64 + 5
+    whole = _two_turns(model, call_cost=0, sampling=sampling)
+    for ours, reference in zip(pieces[:2], whole[:2]):
+        assert ours.tokens == reference.tokens
+        for a, b in zip(ours.logprobs, reference.logprobs):
+            np.testing.assert_allclose(a, b, atol=2e-5)
+    np.testing.assert_array_equal(pieces[2], whole[2])
+
+
 def test_prefill_chunk_must_be_a_token_bucket(model):
     with pytest.raises(Exception, match="prefill_chunk=48 is not one of token_buckets"):
         Sampler(model, SamplerConfig(prefill_chunk=48))
