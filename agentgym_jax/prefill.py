@@ -7,7 +7,7 @@ brings 370 new tokens and eleven others 150, one padded block is 16 x 512 = 8192
 ones. Sorted by length and cut into parts, each padded to its own buckets, the same rows cost far fewer. Each part
 is a further program call (its rows are copied out of the batch's cache and back), priced as ``call_cost``
 positions; the plan below is the cheapest cut under that price. (Within a part, a long prompt is written in
-fixed-size chunks: ``SamplerConfig.prefill_chunk``.)
+fixed-size chunks, ``SamplerConfig.prefill_chunk``, and the rest in token buckets: ``Sampler._prefill_pieces``.)
 """
 
 from __future__ import annotations

@@ -193,7 +193,8 @@ class SamplerConfig:
     window_buckets: tuple[int, ...] = ()
     # agentgym_jax.prefill: rows of very different lengths are prefilled in length-sorted parts when that computes
     # fewer positions, an extra part priced as this many (0: never split); prompts longer than prefill_chunk (one
-    # of token_buckets; 0: no chunks) go in chunks of it: 300 tokens compute 128 + 128 + 64, not a 512 bucket.
+    # of token_buckets; 0: no chunks) go in chunks of it: 300 tokens compute 128 + 128 + 64, not a 512 bucket;
+    # a partial chunk goes in smaller buckets where that saves positions (199 tokens: 128 + 64 + 16 positions).
     prefill_call_cost: int = 256
     prefill_chunk: int = 128
 
