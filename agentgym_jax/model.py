@@ -180,6 +180,7 @@ class Attention(nnx.Module):
         k = sharding.constrain(attention.apply_rope(k, positions, inv_freq), "heads")
         v = sharding.constrain(v, "heads")
         query_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        native = False  # a decode step whose attention reads the stored cache in native_kernels
         if layer_cache is not None:
             query_slots = query_slots + cache_lengths[:, None]
             write = lambda raw, new, axis: sharding.constrain(
@@ -187,28 +188,28 @@ class Attention(nnx.Module):
             k_all = write(layer_cache.keys, k, attention.KEY_SLOT_AXIS)
             v_all = write(layer_cache.values, v, attention.VALUE_SLOT_AXIS)
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
-            if s == 1 and _native_decode(layer_cache):
-                group = self.num_heads // self.num_kv_heads
-                out = native_kernels.decode_attention(
-                    q.reshape(b, s, self.num_kv_heads, group, self.head_dim), k_all, v_all, cache_lengths + 1,
-                    1.0 / math.sqrt(self.head_dim))
-                return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), layer_cache
-            k = attention.from_storage(k_all, layer_cache.dtype).astype(q.dtype)
-            v = attention.from_storage(v_all, layer_cache.dtype).astype(q.dtype)
+            native = s == 1 and _native_decode(layer_cache)
+            if not native:
+                k = attention.from_storage(k_all, layer_cache.dtype).astype(q.dtype)
+                v = attention.from_storage(v_all, layer_cache.dtype).astype(q.dtype)
         else:
             k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache's layouts
-        key_slots = jnp.arange(v.shape[attention.VALUE_SLOT_AXIS], dtype=jnp.int32)
-        allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
-        if segments is not None:  # teacher-forced packed rows (no cache): S == T
-            allowed = allowed & segments.allowed()
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(b, s, self.num_kv_heads, group, self.head_dim)
-        if s == 1:
-            attend = attention.attend_one_query
-        else:  # a teacher-forced row (no cache) attends to its own keys, causally
-            attend = attention.attend if layer_cache is not None else attention.attend_causal
-        out = attend(q, k, v, allowed, 1.0 / math.sqrt(self.head_dim)).reshape(b, s, self.num_heads * self.head_dim)
-        return self.o_proj(out), layer_cache
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if native:
+            out = native_kernels.decode_attention(q, k_all, v_all, cache_lengths + 1, scale)
+        else:
+            key_slots = jnp.arange(v.shape[attention.VALUE_SLOT_AXIS], dtype=jnp.int32)
+            allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
+            if segments is not None:  # teacher-forced packed rows (no cache): S == T
+                allowed = allowed & segments.allowed()
+            if s == 1:
+                attend = attention.attend_one_query
+            else:  # a teacher-forced row (no cache) attends to its own keys, causally
+                attend = attention.attend if layer_cache is not None else attention.attend_causal
+            out = attend(q, k, v, allowed, scale)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), layer_cache
 
 
 class MLP(nnx.Module):

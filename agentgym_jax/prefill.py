@@ -7,7 +7,7 @@ brings 370 new tokens and eleven others 150, one padded block is 16 x 512 = 8192
 ones. Sorted by length and cut into parts, each padded to its own buckets, the same rows cost far fewer. Each part
 is a further program call (its rows are copied out of the batch's cache and back), priced as ``call_cost``
 positions; the plan below is the cheapest cut under that price. (Within a part, a long prompt is written in
-fixed-size chunks, ``SamplerConfig.prefill_chunk``, and the rest in token buckets: ``Sampler._prefill_pieces``.)
+fixed-size chunks, ``SamplerConfig.prefill_chunk``, and the rest in token buckets: :func:`plan_pieces`.)
 """
 
 from __future__ import annotations
@@ -44,6 +44,28 @@ def plan_parts(lengths: Sequence[int], positions: Sizer, batch_bucket: Sizer, ca
         parts.append(rows[cut[end]:end])
         end = cut[end]
     return parts[::-1], best[-1]
+
+
+# A prefill's last partial chunk is split into smaller token buckets only where that saves this many positions
+# per row: a further call reads every weight once more, which costs about as much as computing a few dozen positions.
+PIECE_SAVING = 32
+
+
+def plan_pieces(length: int, chunk: int, positions: Sizer, buckets: Sequence[int]) -> list[int]:
+    """Tokens per program call when prefilling ``length`` tokens: ``chunk``-sized chunks (0: one call), then the
+    rest in ``buckets`` (``positions`` pads a size to its bucket), split where that saves at least
+    ``PIECE_SAVING`` positions a row (a 71-token rest: 64 + 7 tokens in 64 + 16 positions, not 128)."""
+    if not chunk:
+        return [length] if length else []
+    full, rest = divmod(length, chunk)
+    pieces = [chunk] * full
+    while rest:
+        smaller = max((b for b in buckets if b < rest), default=0)
+        split = smaller + positions(rest - smaller) if smaller else rest
+        piece = smaller if positions(rest) - split >= PIECE_SAVING else rest
+        pieces.append(piece)
+        rest -= piece
+    return pieces
 
 
 @partial(jax.jit, donate_argnames=("cache",))

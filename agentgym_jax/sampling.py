@@ -199,11 +199,6 @@ class SamplerConfig:
     prefill_chunk: int = 128
 
 
-# A prefill's last partial chunk is split into smaller token buckets only where that saves this many positions
-# per row: a further call reads every weight once more, which costs about as much as computing a few dozen positions.
-PIECE_SAVING = 32
-
-
 class Sampler:
     """Generates for a batch of episodes, extending each episode's KV cache turn after turn."""
 
@@ -380,27 +375,12 @@ class Sampler:
         return array
 
     def _prefill_pieces(self, length: int) -> list[int]:
-        """Tokens per program call when prefilling ``length`` tokens: ``prefill_chunk``-sized chunks, then the rest
-        in token buckets, split where that saves at least ``PIECE_SAVING`` positions a row (a 71-token rest: 64 + 7
-        tokens in 64 + 16 positions, not 128; each call reads every weight once more)."""
-        chunk = self.config.prefill_chunk
-        if not chunk:
-            return [length] if length else []
-        full, rest = divmod(length, chunk)
-        pieces = [chunk] * full
-        while rest:
-            smaller = max((b for b in self.config.token_buckets if b < rest), default=0)
-            split = smaller + self._token_bucket(rest - smaller) if smaller else rest
-            piece = smaller if self._token_bucket(rest) - split >= PIECE_SAVING else rest
-            pieces.append(piece)
-            rest -= piece
-        return pieces
+        """Tokens per program call when prefilling ``length`` tokens (:func:`prefill.plan_pieces`)."""
+        return prefill.plan_pieces(length, self.config.prefill_chunk, self._token_bucket, self.config.token_buckets)
 
     def _prefill_positions(self, length: int) -> int:
-        """Positions per row that prefilling ``length`` tokens computes (:meth:`_prefill_pieces`, each padded to
-        its token bucket)."""
-        return sum(self._token_bucket(piece) for piece in self._prefill_pieces(length)) if length else \
-            self._token_bucket(0)
+        """Positions per row that prefilling ``length`` tokens computes (each piece padded to its bucket)."""
+        return sum(self._token_bucket(piece) for piece in self._prefill_pieces(length) or [0])
 
     def _prefill_plan(self, lengths: np.ndarray, batch: int) -> tuple[int, list[list[int]] | None]:
         """Positions computed to prefill ``lengths`` into ``batch`` rows, and how: one block over every row

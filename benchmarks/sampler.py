@@ -154,7 +154,7 @@ def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: f
                                 peaks[dtype]))
         row["decode_vs_bound"] = step_ms / row["bound_step_ms"]
         # the same decode steps with the pure-JAX attention (the native kernel off; prefill does not use it)
-        pure_s = _pure_jax_seconds(ours[dtype], prompts)
+        pure_s = _pure_jax_seconds(ours[dtype], sampler.config, prompts)
         row.update(ours_seconds_pure_jax_attention=pure_s,
                    ours_decode_step_ms_pure_jax_attention=1000 * (pure_s - prefill) / (NEW_TOKENS - 1))
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("runs")},
@@ -163,15 +163,14 @@ def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: f
     return rows
 
 
-def _pure_jax_seconds(model: Any, prompts: list[list[int]]) -> float:
+def _pure_jax_seconds(model: Any, config: SamplerConfig, prompts: list[list[int]]) -> float:
     """Median seconds of a generate call with ``AGENTGYM_JAX_NATIVE_KERNELS=0`` (programs traced anew, and again
     afterwards with the kernels back on)."""
     previous = os.environ.get(native_kernels.ENV_VAR)
     os.environ[native_kernels.ENV_VAR] = "0"
     try:
         jax.clear_caches()
-        sampler = Sampler(model, SamplerConfig(cache_length=512, window_buckets=WINDOW_BUCKETS,
-                                               new_token_buckets=(1, 64)))
+        sampler = Sampler(model, config)
         _ours_run(sampler, prompts, NEW_TOKENS)  # builds the programs
         return common.median([_ours_run(sampler, prompts, NEW_TOKENS) for _ in range(2)])
     finally:

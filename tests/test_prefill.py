@@ -62,16 +62,21 @@ def _two_turns(model, call_cost: int, sampling: SamplingParams, chunk: int = 0, 
     return first, second, state.lengths, parts
 
 
+def _assert_same_turns(ours, reference):
+    """Two :func:`_two_turns` runs gave the same samples, log-probs (2e-5) and cache lengths."""
+    for turn, expected in zip(ours[:2], reference[:2]):
+        assert turn.tokens == expected.tokens
+        for a, b in zip(turn.logprobs, expected.logprobs):
+            np.testing.assert_allclose(a, b, atol=2e-5)
+    np.testing.assert_array_equal(ours[2], reference[2])
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=6),
                                       SamplingParams(temperature=1.0, max_new_tokens=6)])
 def test_parts_give_the_samples_and_caches_of_one_block(model, sampling):
     split = _two_turns(model, call_cost=1, sampling=sampling)  # every call with ragged rows splits
     whole = _two_turns(model, call_cost=0, sampling=sampling)  # 0: never split
-    for ours, reference in zip(split[:2], whole[:2]):
-        assert ours.tokens == reference.tokens
-        for a, b in zip(ours.logprobs, reference.logprobs):
-            np.testing.assert_allclose(a, b, atol=2e-5)
-    np.testing.assert_array_equal(split[2], whole[2])
+    _assert_same_turns(split, whole)
     assert whole[3] == [] and len(split[3]) >= 6 and max(split[3]) < 5  # each of the three calls split
 
 
@@ -101,11 +106,7 @@ def test_chunked_prefill_gives_the_samples_and_caches_of_one_block(model):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
     chunked = _two_turns(model, call_cost=0, sampling=sampling, chunk=16)  # 70 tokens: 16 x 4 + 6
     whole = _two_turns(model, call_cost=0, sampling=sampling)
-    for ours, reference in zip(chunked[:2], whole[:2]):
-        assert ours.tokens == reference.tokens
-        for a, b in zip(ours.logprobs, reference.logprobs):
-            np.testing.assert_allclose(a, b, atol=2e-5)
-    np.testing.assert_array_equal(chunked[2], whole[2])
+    _assert_same_turns(chunked, whole)
 
 
 def test_a_partial_chunk_goes_in_smaller_buckets_where_that_saves_positions(model):
@@ -118,11 +119,7 @@ def test_a_partial_chunk_goes_in_smaller_buckets_where_that_saves_positions(mode
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
     pieces = _two_turns(model, call_cost=0, sampling=sampling, chunk=128)  # the 69-token prefill: 64 + 5
     whole = _two_turns(model, call_cost=0, sampling=sampling)
-    for ours, reference in zip(pieces[:2], whole[:2]):
-        assert ours.tokens == reference.tokens
-        for a, b in zip(ours.logprobs, reference.logprobs):
-            np.testing.assert_allclose(a, b, atol=2e-5)
-    np.testing.assert_array_equal(pieces[2], whole[2])
+    _assert_same_turns(pieces, whole)
 
 
 def test_prefill_chunk_must_be_a_token_bucket(model):
