@@ -67,6 +67,7 @@ bench: setup
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.envs
 	$(PY) -m benchmarks.rollout
+	$(PY) -m benchmarks.rollout --part=loops --loop_env=babyai --all_rows=false
 	$(PY) -m benchmarks.retrieval
 
 bazel-test: setup

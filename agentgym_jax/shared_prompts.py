@@ -8,7 +8,7 @@ of one task (the same whole first prompt). Lock-step rounds fork both when the r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from agentgym_jax.sampling import Sampler
 
@@ -16,39 +16,70 @@ from agentgym_jax.sampling import Sampler
 class SharedOpening:
     """The opening every episode's first prompt shares (system prompt, instruction), prefilled once into a
     one-row cache and copied into each row a new episode takes, so only the rest of its prompt is computed; the
-    rows admitted together with the same whole prompt (the samples of one task) compute that rest once."""
+    rows admitted together with the same whole prompt (the samples of one task) compute that rest once. A prompt
+    whose later rows are admitted in later rounds (``keep``) is also kept in a one-row cache until its last row
+    takes it, so the samples of a task compute it once however the rows free up."""
 
     MIN_TOKENS = 16  # a shorter shared opening is not worth a copy
 
     def __init__(self) -> None:
         self.ids: list[int] | None = None
         self.state: Any = None
+        self.kept: dict[tuple[int, ...], Any] = {}  # whole first prompt -> one-row cache of all but its last id
 
-    def fill(self, sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]]) -> tuple[Any, list[int]]:
+    def fill(self, sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]],
+             keep: Sequence[bool] | None = None) -> tuple[Any, list[int]]:
         """Writes what it can share of the (emptied) ``rows``' prompts into them; how many ids of each prompt are
-        in its row now (0 where nothing was shared)."""
+        in its row now (0 where nothing was shared). ``keep[r]``: rows admitted later will bring row r's prompt
+        (the other samples of its task are still queued); a kept prompt is dropped when rows take it without
+        ``keep``."""
+        keep = list(keep) if keep is not None else [False] * len(rows)
         if self.ids is None and rows:
             prompts = [ids for _, ids in rows]
             common = _shared_head(prompts)
             self.ids = prompts[0][:common] if common >= self.MIN_TOKENS else []
             if self.ids:
                 self.state = sampler.prefill(sampler.new_state(1), [self.ids])
+        cached = [0] * len(rows)
+        for ids, source in self.kept.items():  # prompts computed in an earlier round
+            hits = [index for index, (_, row_ids) in enumerate(rows) if tuple(row_ids) == ids]
+            if hits:
+                state = sampler.copy_row(source, 0, state, [rows[index][0] for index in hits])
+                for index in hits:
+                    cached[index] = len(ids) - 1
         n = len(self.ids or ())
-        starts = [bool(n) and len(ids) > n and ids[:n] == self.ids for _, ids in rows]
+        starts = [not cached[index] and bool(n) and len(ids) > n and ids[:n] == self.ids
+                  for index, (_, ids) in enumerate(rows)]
         if any(starts):
             state = sampler.copy_row(self.state, 0, state, [row for (row, _), hit in zip(rows, starts) if hit])
-        cached = [n if hit else 0 for hit in starts]
-        return _fork_same_prompts(sampler, state, rows, cached)
+        cached = [n if hit else c for hit, c in zip(starts, cached)]
+        state, cached = _fork_same_prompts(sampler, state, rows, cached, keep)
+        self._keep(sampler, state, rows, keep, cached)
+        return state, cached
+
+    def _keep(self, sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]], keep: list[bool],
+              cached: list[int]) -> None:
+        """Keeps a one-row copy of each whole prompt to keep (now cached but for its last id); drops the kept
+        prompts these rows took last (``keep`` false). Prompts these rows do not bring stay (another half's)."""
+        for (row, ids), flag, n in zip(rows, keep, cached):
+            key = tuple(ids)
+            if not flag:
+                self.kept.pop(key, None)
+            elif key not in self.kept and n == len(ids) - 1:
+                self.kept[key] = sampler.select_rows(state, [row])
 
 
 def _fork_same_prompts(sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]],
-                       cached: list[int]) -> tuple[Any, list[int]]:
-    """Rows with the same whole prompt: the rest of it (past ``cached``, all but its last id) is prefilled in the
-    first of them and copied into the others. Returns the state and the ids now cached per row."""
+                       cached: list[int], keep: list[bool]) -> tuple[Any, list[int]]:
+    """Rows with the same whole prompt, and rows whose prompt is kept for later rows (``keep``): the rest of it
+    (past ``cached``, all but its last id) is prefilled in the first of them and copied into the others. Returns
+    the state and the ids now cached per row."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, (_, ids) in enumerate(rows):
-        groups.setdefault(tuple(ids), []).append(index)
-    groups = {ids: members for ids, members in groups.items() if len(members) > 1 and len(ids) > 1}
+        if cached[index] < len(ids) - 1:
+            groups.setdefault(tuple(ids), []).append(index)
+    groups = {ids: members for ids, members in groups.items()
+              if (len(members) > 1 or any(keep[index] for index in members)) and len(ids) > 1}
     if not groups:
         return state, cached
     tokens: list[list[int] | None] = [None] * state.batch_size

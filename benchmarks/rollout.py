@@ -3,10 +3,13 @@
     python -m benchmarks.rollout [--part=all|step|loops|async_env] [--steps=3] [--repeats=3]
 
 ``step``: ``--steps`` full training steps (rollout + update) of ``configs/cpu_demo.py`` after one warm-up step
-that compiles; medians over the timed steps. ``loops``: the demo's model and BabyAI GoTo tasks with a horizon of
-6 turns (episodes end at different turns), the same episodes played by continuous episodes and by lock-step
-rounds, interleaved, ``--repeats`` times each after a compiling warm-up (program builds inside a timed rollout
-taken out); episodes/s medians; ``--loop_model`` plays a trained policy instead (the demo's export). ``async_env``: the
+that compiles; medians over the timed steps. ``loops``: the demo's model on BabyAI GoTo tasks with a horizon of 6
+turns, the same episodes played by continuous episodes and by lock-step rounds, interleaved, ``--repeats`` times
+each after a compiling warm-up (program builds inside a timed rollout taken out); episodes/s medians.
+``--loop_env=babyai_strict`` (the headline keys; ``benchmarks/strict_env.py``) ends an episode at its first action
+BabyAI does not understand, so episodes end at turns the policy's samples decide; ``--loop_env=babyai`` (keys
+``*_babyai``) plays plain BabyAI, where an untrained policy takes nearly every episode to the horizon;
+``--loop_model`` plays a trained policy instead (the demo's export). ``async_env``: the
 continuous loop with and without ``async_env_steps`` on BabyAI whose steps also wait ``--step_seconds``
 (``benchmarks/slow_env.py``: a page load or a remote server), 2 pool workers. Each part updates its keys of
 benchmarks/results/rollout.json.
@@ -32,6 +35,10 @@ _ALL_ROWS = flags.DEFINE_bool("all_rows", True, "Also time lock-step rounds over
 _LOOP_MODEL = flags.DEFINE_string(
     "loop_model", "", "Policy for part loops (a Hugging Face folder, e.g. the demo's runs/cpu_demo/export after "
     "`make demo`: a trained policy ends more episodes early); default: the demo config's model.")
+_LOOP_ENV = flags.DEFINE_enum(
+    "loop_env", "babyai_strict", ["babyai_strict", "babyai"], "Environment for part loops: babyai_strict (episodes "
+    "end at the first action BabyAI does not understand: varied lengths) or plain babyai (an untrained policy plays "
+    "nearly every episode to the horizon).")
 _LOOP_TASKS, _LOOP_SAMPLES, _LOOP_ROWS, _LOOP_HORIZON = 8, 4, 8, 6
 _CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.py"
 
@@ -56,6 +63,7 @@ def measure_loops() -> dict:
     import jax
 
     from agentgym_jax.trainer import Trainer
+    from environments.workers import EnvPool
 
     config = _demo_config()
     config.data.dynamic_sampling = False
@@ -73,6 +81,10 @@ def measure_loops() -> dict:
     compile_stats.install()
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir)
+        own_pool = trainer.pool
+        if _LOOP_ENV.value != "babyai":
+            trainer.pool = EnvPool(_LOOP_ENV.value, dict(config.env.kwargs), num_workers=config.env.num_workers,
+                                   import_modules=("benchmarks.strict_env",))
         try:
             tasks = trainer.train_tasks[:_LOOP_TASKS]
             for repeat in range(_REPEATS.value + 1):  # the first pass compiles most shapes
@@ -92,6 +104,9 @@ def measure_loops() -> dict:
                         if name == "continuous":
                             turns += [t.turns for t in played]
         finally:
+            if trainer.pool is not own_pool:
+                trainer.pool.close()
+                trainer.pool = own_pool
             trainer.close()
     episodes = _LOOP_TASKS * _LOOP_SAMPLES
     rate = {name: episodes / median(values) for name, values in seconds.items()}
@@ -100,7 +115,8 @@ def measure_loops() -> dict:
         "continuous_vs_lockstep_all_rows": (rate["continuous"] / rate["lockstep_all_rows"]
                                             if "lockstep_all_rows" in rate else None),
         "loops": {
-            "workload": f"{_LOOP_TASKS} BabyAI GoTo tasks x {_LOOP_SAMPLES} samples, horizon {_LOOP_HORIZON}, "
+            "workload": f"{_LOOP_TASKS} {_LOOP_ENV.value} GoTo tasks x {_LOOP_SAMPLES} samples, "
+                        f"horizon {_LOOP_HORIZON}, "
                         f"temperature {config.rollout.temperature}, {_LOOP_ROWS} sampler rows (all 32 for "
                         "lockstep_all_rows); the demo's prefix and stop rules",
             "policy": _LOOP_MODEL.value or "the demo config's model (untrained)",
@@ -128,6 +144,7 @@ def measure_async_env() -> dict:
     config = _demo_config()
     config.data.dynamic_sampling = False
     tasks_n, samples, rows, horizon, workers = 4, 4, 8, 3, 2
+    compile_stats.install()
     loops = {"sync": dict(continuous=True, max_rows=rows, async_env_steps=False),
              "async": dict(continuous=True, max_rows=rows, async_env_steps=True)}
     results = {}
@@ -141,22 +158,28 @@ def measure_async_env() -> dict:
                                        num_workers=workers, import_modules=("benchmarks.slow_env",))
                 seconds: dict[str, list[float]] = {name: [] for name in loops}
                 waited: dict[str, list[float]] = {name: [] for name in loops}
+                building: dict[str, list[float]] = {name: [] for name in loops}
                 try:
-                    for repeat in range(_REPEATS.value + 1):  # the first pass compiles every shape
+                    for repeat in range(_REPEATS.value + 1):  # the first pass compiles most shapes
                         for name, settings in loops.items():
                             trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **settings)
+                            before = compile_stats.total_build_seconds()
                             _, stats = trainer.rollout(tasks, samples, horizon, jax.random.PRNGKey(repeat))
+                            compiled = compile_stats.total_build_seconds() - before
                             total = stats.sampling_s + stats.env_s + stats.host_s
                             print(f"step_seconds {step_seconds} pass {repeat} {name}: {total:.1f} s "
-                                  f"(env wait {stats.env_s:.1f} s, {stats.rounds} sampler calls)", flush=True)
+                                  f"({compiled:.1f} s building programs, env wait {stats.env_s:.1f} s, "
+                                  f"{stats.rounds} sampler calls)", flush=True)
                             if repeat:
-                                seconds[name].append(total)
+                                seconds[name].append(total - compiled)
+                                building[name].append(compiled)
                                 waited[name].append(stats.env_s)
                 finally:
                     trainer.pool.close()
                 rate = {name: tasks_n * samples / median(values) for name, values in seconds.items()}
                 results[str(step_seconds)] = {"episodes_per_s": rate, "async_vs_sync": rate["async"] / rate["sync"],
-                                              "seconds": seconds, "env_wait_s": waited}
+                                              "seconds_without_program_builds": seconds,
+                                              "program_build_seconds": building, "env_wait_s": waited}
         finally:
             trainer.pool = own_pool
             trainer.close()
@@ -166,7 +189,8 @@ def measure_async_env() -> dict:
                                       "also waits step_seconds (the keys)",
                           "by_step_seconds": results,
                           "statistic": f"median of {_REPEATS.value} rollouts per loop, interleaved, after a "
-                                       "compiling pass"}}
+                                       "compiling pass; the seconds spent building programs inside a timed rollout "
+                                       "are taken out"}}
 
 
 def measure_step() -> dict:
@@ -219,7 +243,8 @@ def main(argv: list[str]) -> None:
     payload = json.loads(path.read_text()) if path.exists() else {}  # each part replaces only its own keys
     if _PART.value in ("all", "loops"):
         loops = measure_loops()
-        suffix = "_other_policy" if _LOOP_MODEL.value else ""  # the headline keys stay the default model's
+        # the headline keys: the default model on the varied-length workload
+        suffix = ("_other_policy" if _LOOP_MODEL.value else "") + ("_babyai" if _LOOP_ENV.value == "babyai" else "")
         payload.update({key + suffix: value for key, value in loops.items()})
     if _PART.value in ("all", "step"):
         payload.update(measure_step())

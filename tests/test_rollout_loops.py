@@ -119,6 +119,31 @@ def test_continuous_rows_compute_a_task_prompt_once(trainer, monkeypatch):
     assert computed["continuous"] == computed["waves"] - 2 * opening, computed
 
 
+def test_continuous_rows_compute_a_task_prompt_once_across_rounds(trainer, monkeypatch):
+    """6 rows for tasks of 4 samples: the second task's last two samples take rows that free up rounds later. Its
+    prompt is kept meanwhile, so every task's first prompt is computed once, as with 8 rows (whole tasks admitted
+    together): the same tokens computed in all. Greedy: every episode takes 5 turns, in both."""
+    from agentgym_jax import prefill, sampling
+
+    written = []
+    real_generate, real_prefill = sampling._generate_program, prefill.prefill_program
+    monkeypatch.setattr(sampling, "_generate_program", lambda *args, **kwargs: (
+        written.append(int(np.sum(kwargs["new_lengths"]))), real_generate(*args, **kwargs))[1])
+    monkeypatch.setattr(prefill, "prefill_program", lambda state, cache, tokens, counts, **kwargs: (
+        written.append(int(np.sum(counts))), real_prefill(state, cache, tokens, counts, **kwargs))[1])
+    computed, copies = {}, []
+    real_copy = trainer.sampler.copy_row
+    monkeypatch.setattr(trainer.sampler, "copy_row", lambda source, row, state, rows: (
+        copies.append(source.batch_size), real_copy(source, row, state, rows))[1])
+    for rows in (8, 6):
+        written.clear()
+        played, _ = _play(trainer, trainer.train_tasks[:4], True, continuous=True, max_rows=rows)
+        assert {t.turns for t in played} == {5}
+        computed[rows] = sum(written)
+    assert computed[6] == computed[8], computed
+    assert copies.count(1) > 4  # the opening, and kept prompts, copied from one-row caches
+
+
 def test_negative_rows_are_refused():
     from agentgym_jax.errors import ConfigError
     from agentgym_jax.rollout import RolloutConfig
