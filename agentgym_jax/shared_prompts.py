@@ -18,7 +18,8 @@ class SharedOpening:
     one-row cache and copied into each row a new episode takes, so only the rest of its prompt is computed; the
     rows admitted together with the same whole prompt (the samples of one task) compute that rest once. A prompt
     whose later rows are admitted in later rounds (``keep``) is also kept in a one-row cache until its last row
-    takes it, so the samples of a task compute it once however the rows free up."""
+    takes it, so the samples of a task compute it once however the rows free up (one or two such one-row caches at a
+    time: rows are admitted in queue order, task after task)."""
 
     MIN_TOKENS = 16  # a shorter shared opening is not worth a copy
 
@@ -65,7 +66,7 @@ class SharedOpening:
             key = tuple(ids)
             if not flag:
                 self.kept.pop(key, None)
-            elif key not in self.kept and n == len(ids) - 1:
+            elif key not in self.kept and n == len(ids) - 1 > 0:
                 self.kept[key] = sampler.select_rows(state, [row])
 
 
