@@ -401,12 +401,16 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
         prompts = turns.reset([trajectories[i] for i, _ in admitted])
         free_rows.extend(row for (i, row), ids in zip(admitted, prompts) if ids is None)
         turns.finish([trajectories[i] for (i, _), ids in zip(admitted, prompts) if ids is None])
-        queued_tasks = {(trajectories[j].task_id, trajectories[j].subtask) for j in queue}
-        for h in range(halves):
-            opened = [(i, row, ids) for (i, row), ids in zip(admitted, prompts) if ids is not None and row // size == h]
+        task = lambda i: (trajectories[i].task_id, trajectories[i].subtask)
+        opened_by_half = [[(i, row, ids) for (i, row), ids in zip(admitted, prompts)
+                           if ids is not None and row // size == h] for h in range(halves)]
+        opening.find_opening(sampler, [ids for ids in prompts if ids is not None])  # one half may hold one task
+        for h, opened in enumerate(opened_by_half):
             if opened:
                 states[h] = sampler.clear_rows(states[h], [row % size for _, row, _ in opened])
-                later = [(trajectories[i].task_id, trajectories[i].subtask) in queued_tasks for i, _, _ in opened]
+                # a task's prompt is kept while its samples still queue, or open in the other half after this one
+                waiting = {task(j) for j in queue} | {task(i) for rest in opened_by_half[h + 1:] for i, _, _ in rest}
+                later = [task(i) in waiting for i, _, _ in opened]
                 states[h], shared = opening.fill(sampler, states[h], [(row % size, ids) for _, row, ids in opened],
                                                  keep=later)
                 for (i, row, ids), length in zip(opened, shared):

@@ -19,9 +19,10 @@ class SharedOpening:
     rows admitted together with the same whole prompt (the samples of one task) compute that rest once. A prompt
     whose later rows are admitted in later rounds (``keep``) is also kept in a one-row cache until its last row
     takes it, so the samples of a task compute it once however the rows free up (one or two such one-row caches at a
-    time: rows are admitted in queue order, task after task)."""
+    time when tasks queue sample after sample, as the trainer's do; at most ``MAX_KEPT``)."""
 
     MIN_TOKENS = 16  # a shorter shared opening is not worth a copy
+    MAX_KEPT = 4  # one-row caches of whole prompts kept at most; the oldest goes first
 
     def __init__(self) -> None:
         self.ids: list[int] | None = None
@@ -35,12 +36,7 @@ class SharedOpening:
         (the other samples of its task are still queued); a kept prompt is dropped when rows take it without
         ``keep``."""
         keep = list(keep) if keep is not None else [False] * len(rows)
-        if self.ids is None and rows:
-            prompts = [ids for _, ids in rows]
-            common = _shared_head(prompts)
-            self.ids = prompts[0][:common] if common >= self.MIN_TOKENS else []
-            if self.ids:
-                self.state = sampler.prefill(sampler.new_state(1), [self.ids])
+        self.find_opening(sampler, [ids for _, ids in rows])
         cached = [0] * len(rows)
         for ids, source in self.kept.items():  # prompts computed in an earlier round
             hits = [index for index, (_, row_ids) in enumerate(rows) if tuple(row_ids) == ids]
@@ -58,16 +54,29 @@ class SharedOpening:
         self._keep(sampler, state, rows, keep, cached)
         return state, cached
 
+    def find_opening(self, sampler: Sampler, prompts: list[list[int]]) -> None:
+        """Fixes the opening, once, from first prompts of several tasks (what the samples of one task share is
+        their whole prompt, not the opening): prefills it into the one-row cache."""
+        if self.ids is not None or len({tuple(ids) for ids in prompts}) < 2:
+            return
+        common = _shared_head(prompts)
+        self.ids = prompts[0][:common] if common >= self.MIN_TOKENS else []
+        if self.ids:
+            self.state = sampler.prefill(sampler.new_state(1), [self.ids])
+
     def _keep(self, sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]], keep: list[bool],
               cached: list[int]) -> None:
         """Keeps a one-row copy of each whole prompt to keep (now cached but for its last id); drops the kept
         prompts these rows took last (``keep`` false). Prompts these rows do not bring stay (another half's)."""
+        opening = len(self.ids or ())
         for (row, ids), flag, n in zip(rows, keep, cached):
             key = tuple(ids)
             if not flag:
                 self.kept.pop(key, None)
-            elif key not in self.kept and n == len(ids) - 1 > 0:
+            elif key not in self.kept and n == len(ids) - 1 > opening:  # more than the opening to share
                 self.kept[key] = sampler.select_rows(state, [row])
+                while len(self.kept) > self.MAX_KEPT:  # samples of a task whose prompts differ, tasks interleaved
+                    self.kept.pop(next(iter(self.kept)))
 
 
 def _fork_same_prompts(sampler: Sampler, state: Any, rows: list[tuple[int, list[int]]],

@@ -82,10 +82,10 @@ def measure_loops() -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir)
         own_pool = trainer.pool
-        if _LOOP_ENV.value != "babyai":
-            trainer.pool = EnvPool(_LOOP_ENV.value, dict(config.env.kwargs), num_workers=config.env.num_workers,
-                                   import_modules=("benchmarks.strict_env",))
         try:
+            if _LOOP_ENV.value != "babyai":
+                trainer.pool = EnvPool(_LOOP_ENV.value, dict(config.env.kwargs), num_workers=config.env.num_workers,
+                                       import_modules=("benchmarks.strict_env",))
             tasks = trainer.train_tasks[:_LOOP_TASKS]
             for repeat in range(_REPEATS.value + 1):  # the first pass compiles most shapes
                 for name, settings in loops.items():

@@ -131,17 +131,27 @@ def test_continuous_rows_compute_a_task_prompt_once_across_rounds(trainer, monke
         written.append(int(np.sum(kwargs["new_lengths"]))), real_generate(*args, **kwargs))[1])
     monkeypatch.setattr(prefill, "prefill_program", lambda state, cache, tokens, counts, **kwargs: (
         written.append(int(np.sum(counts))), real_prefill(state, cache, tokens, counts, **kwargs))[1])
-    computed, copies = {}, []
-    real_copy = trainer.sampler.copy_row
-    monkeypatch.setattr(trainer.sampler, "copy_row", lambda source, row, state, rows: (
-        copies.append(source.batch_size), real_copy(source, row, state, rows))[1])
-    for rows in (8, 6):
+    computed = {}
+    for rows, halves in ((8, False), (6, False), (6, True)):  # halves: the first task's samples span both
         written.clear()
-        played, _ = _play(trainer, trainer.train_tasks[:4], True, continuous=True, max_rows=rows)
+        played, _ = _play(trainer, trainer.train_tasks[:4], True, continuous=True, max_rows=rows,
+                          async_env_steps=halves)
         assert {t.turns for t in played} == {5}
-        computed[rows] = sum(written)
-    assert computed[6] == computed[8], computed
-    assert copies.count(1) > 4  # the opening, and kept prompts, copied from one-row caches
+        computed[rows, halves] = sum(written)
+    assert computed[6, False] == computed[6, True] == computed[8, False], computed
+
+
+def test_kept_prompts_are_bounded_and_dropped_by_their_last_row(trainer):
+    from agentgym_jax.shared_prompts import SharedOpening
+
+    sampler, opening = trainer.sampler, SharedOpening()
+    prompts = [[7] * 20 + [100 + task] * 10 + [9] for task in range(6)]  # a shared opening, then each task's own
+    state, cached = opening.fill(sampler, sampler.new_state(8), list(enumerate(prompts)), keep=[True] * 6)
+    assert cached == [30] * 6 and len(opening.ids) == 20
+    assert list(opening.kept) == [tuple(ids) for ids in prompts[-SharedOpening.MAX_KEPT:]]  # the newest kept
+    state = sampler.clear_rows(state, [0, 1])
+    state, cached = opening.fill(sampler, state, [(0, prompts[5]), (1, prompts[4])], keep=[True, False])
+    assert cached == [30, 30] and tuple(prompts[5]) in opening.kept and tuple(prompts[4]) not in opening.kept
 
 
 def test_negative_rows_are_refused():
