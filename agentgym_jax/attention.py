@@ -23,9 +23,37 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, S, H/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x.dtype)
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x.dtype)
+    return _rotate(x, cos, sin)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
+    return jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+
+
+@jax.custom_vjp
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x * cos + rotate_half(x) * sin``, with its backward pass written out. Autodiff's transpose of the
+    concatenate and slices became padded adds that XLA's CPU backend ran about seven times slower in bf16 (0.7 s
+    of an 8.6 s train step); the gradients are the same values."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def _rotate_forward(x, cos, sin):
+    return _rotate(x, cos, sin), (x, cos, sin)
+
+
+def _rotate_backward(residuals, g):
+    x, cos, sin = residuals
+    half = x.shape[-1] // 2
+    g_sin = g * sin
+    dx = g * cos + jnp.concatenate([g_sin[..., half:], -g_sin[..., :half]], -1)  # rotate_half's transpose
+    # cos and sin come from positions, never trained: their cotangents are exact and dropped as dead code
+    over_heads = lambda v: jnp.sum(v, axis=2, keepdims=True).astype(cos.dtype)  # noqa: E731
+    return dx, over_heads(g * x), over_heads(g * _rotate_half(x))
+
+
+_rotate.defvjp(_rotate_forward, _rotate_backward)
 
 
 @jax.tree_util.register_dataclass

@@ -179,3 +179,33 @@ def test_a_bf16_cache_reads_back_every_bit_pattern_exactly():
     expected = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_array_equal(got, expected)
     assert np.array_equal(np.signbit(got), np.signbit(expected))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_backward_written_out_equals_autodiff_of_the_formula(dtype):
+    b, s, heads, h = 2, 5, 3, 8
+    x = jax.random.normal(jax.random.PRNGKey(1), (b, s, heads, h)).astype(dtype)
+    positions = jnp.asarray([[0, 1, 2, 3, 4], [7, 8, 9, 30, 31]])
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    # Independent rotation in numpy: pairs (j, j + h/2) turn by position * inv_freq[j].
+    angle = np.asarray(positions, np.float64)[..., None, None] * np.asarray(inv_freq, np.float64)  # [B, S, 1, H/2]
+    x64 = np.asarray(x, np.float64)
+    first, second = x64[..., : h // 2], x64[..., h // 2:]
+    expected = np.concatenate([first * np.cos(angle) - second * np.sin(angle),
+                               second * np.cos(angle) + first * np.sin(angle)], -1)
+    rotated = attention.apply_rope(x, positions, inv_freq)
+    assert rotated.dtype == dtype
+    np.testing.assert_allclose(np.asarray(rotated, np.float64), expected, atol=1e-5 if dtype == jnp.float32 else 5e-2)
+
+    def formula(x):  # the forward pass left to autodiff
+        angles = positions[..., None].astype(jnp.float32) * inv_freq
+        cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x.dtype)
+        sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x.dtype)
+        return x * cos + jnp.concatenate([-x[..., h // 2:], x[..., : h // 2]], -1) * sin
+
+    weights = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x).astype(jnp.float32)) * weights)  # noqa: E731
+    ours = jax.grad(loss(lambda x: attention.apply_rope(x, positions, inv_freq)))(x)
+    autodiff = jax.grad(loss(formula))(x)
+    assert ours.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(autodiff, np.float32))
