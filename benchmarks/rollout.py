@@ -17,6 +17,7 @@ benchmarks/results/rollout.json.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import tempfile
@@ -55,6 +56,21 @@ def _demo_config():
     return config
 
 
+@contextlib.contextmanager
+def _playing_on(trainer, env: str, kwargs: dict, workers: int, module: str):
+    """Inside the block the trainer's rollouts play ``env`` (registered on import of ``module``) in a pool of
+    ``workers``; after it, that pool is closed and the trainer's own pool is put back, whatever happened."""
+    from environments.workers import EnvPool
+
+    own_pool = trainer.pool
+    trainer.pool = EnvPool(env, kwargs, num_workers=workers, import_modules=(module,))
+    try:
+        yield
+    finally:
+        trainer.pool.close()
+        trainer.pool = own_pool
+
+
 def measure_loops() -> dict:
     """Episodes/s of continuous episodes and of lock-step rounds (in waves of the same rows, and all at once) on
     the same BabyAI episodes."""
@@ -63,7 +79,6 @@ def measure_loops() -> dict:
     import jax
 
     from agentgym_jax.trainer import Trainer
-    from environments.workers import EnvPool
 
     config = _demo_config()
     config.data.dynamic_sampling = False
@@ -81,32 +96,29 @@ def measure_loops() -> dict:
     compile_stats.install()
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir)
-        own_pool = trainer.pool
         try:
-            if _LOOP_ENV.value != "babyai":
-                trainer.pool = EnvPool(_LOOP_ENV.value, dict(config.env.kwargs), num_workers=config.env.num_workers,
-                                       import_modules=("benchmarks.strict_env",))
-            tasks = trainer.train_tasks[:_LOOP_TASKS]
-            for repeat in range(_REPEATS.value + 1):  # the first pass compiles most shapes
-                for name, settings in loops.items():
-                    trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **settings)
-                    before = compile_stats.total_build_seconds()
-                    played, stats = trainer.rollout(tasks, _LOOP_SAMPLES, _LOOP_HORIZON, jax.random.PRNGKey(repeat))
-                    compiled = compile_stats.total_build_seconds() - before
-                    total = stats.sampling_s + stats.env_s + stats.host_s
-                    print(f"pass {repeat} {name}: {total:.1f} s ({compiled:.1f} s building programs), "
-                          f"{stats.rounds} sampler calls", flush=True)
-                    if repeat:
-                        # a shape first met in a timed pass compiles there, in whichever loop meets it first
-                        seconds[name].append(total - compiled)
-                        compiling[name].append(compiled)
-                        rounds.setdefault(name, []).append(stats.rounds)
-                        if name == "continuous":
-                            turns += [t.turns for t in played]
+            strict = _LOOP_ENV.value != "babyai"
+            with (_playing_on(trainer, _LOOP_ENV.value, dict(config.env.kwargs), config.env.num_workers,
+                              "benchmarks.strict_env") if strict else contextlib.nullcontext()):
+                tasks = trainer.train_tasks[:_LOOP_TASKS]
+                for repeat in range(_REPEATS.value + 1):  # the first pass compiles most shapes
+                    for name, settings in loops.items():
+                        trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **settings)
+                        before = compile_stats.total_build_seconds()
+                        played, stats = trainer.rollout(tasks, _LOOP_SAMPLES, _LOOP_HORIZON,
+                                                        jax.random.PRNGKey(repeat))
+                        compiled = compile_stats.total_build_seconds() - before
+                        total = stats.sampling_s + stats.env_s + stats.host_s
+                        print(f"pass {repeat} {name}: {total:.1f} s ({compiled:.1f} s building programs), "
+                              f"{stats.rounds} sampler calls", flush=True)
+                        if repeat:
+                            # a shape first met in a timed pass compiles there, in whichever loop meets it first
+                            seconds[name].append(total - compiled)
+                            compiling[name].append(compiled)
+                            rounds.setdefault(name, []).append(stats.rounds)
+                            if name == "continuous":
+                                turns += [t.turns for t in played]
         finally:
-            if trainer.pool is not own_pool:
-                trainer.pool.close()
-                trainer.pool = own_pool
             trainer.close()
     episodes = _LOOP_TASKS * _LOOP_SAMPLES
     rate = {name: episodes / median(values) for name, values in seconds.items()}
@@ -139,7 +151,6 @@ def measure_async_env() -> dict:
     import jax
 
     from agentgym_jax.trainer import Trainer
-    from environments.workers import EnvPool
 
     config = _demo_config()
     config.data.dynamic_sampling = False
@@ -150,16 +161,14 @@ def measure_async_env() -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir)
-        own_pool = trainer.pool
         try:
             tasks = trainer.train_tasks[:tasks_n]
             for step_seconds in [float(x) for x in _STEP_SECONDS.value]:
-                trainer.pool = EnvPool("babyai_slow", dict(config.env.kwargs, step_seconds=step_seconds),
-                                       num_workers=workers, import_modules=("benchmarks.slow_env",))
                 seconds: dict[str, list[float]] = {name: [] for name in loops}
                 waited: dict[str, list[float]] = {name: [] for name in loops}
                 building: dict[str, list[float]] = {name: [] for name in loops}
-                try:
+                with _playing_on(trainer, "babyai_slow", dict(config.env.kwargs, step_seconds=step_seconds),
+                                 workers, "benchmarks.slow_env"):
                     for repeat in range(_REPEATS.value + 1):  # the first pass compiles most shapes
                         for name, settings in loops.items():
                             trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **settings)
@@ -174,14 +183,11 @@ def measure_async_env() -> dict:
                                 seconds[name].append(total - compiled)
                                 building[name].append(compiled)
                                 waited[name].append(stats.env_s)
-                finally:
-                    trainer.pool.close()
                 rate = {name: tasks_n * samples / median(values) for name, values in seconds.items()}
                 results[str(step_seconds)] = {"episodes_per_s": rate, "async_vs_sync": rate["async"] / rate["sync"],
                                               "seconds_without_program_builds": seconds,
                                               "program_build_seconds": building, "env_wait_s": waited}
         finally:
-            trainer.pool = own_pool
             trainer.close()
     return {"async_env_vs_sync": {k: v["async_vs_sync"] for k, v in results.items()},
             "async_env": {"workload": f"{tasks_n} BabyAI GoTo tasks x {samples} samples, horizon {horizon}, "
