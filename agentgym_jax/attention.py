@@ -45,9 +45,7 @@ def _rotate_forward(x, cos, sin):
 
 def _rotate_backward(residuals, g):
     x, cos, sin = residuals
-    half = x.shape[-1] // 2
-    g_sin = g * sin
-    dx = g * cos + jnp.concatenate([g_sin[..., half:], -g_sin[..., :half]], -1)  # rotate_half's transpose
+    dx = g * cos - _rotate_half(g * sin)  # rotate_half's transpose is minus itself
     # cos and sin come from positions, never trained: their cotangents are exact and dropped as dead code
     over_heads = lambda v: jnp.sum(v, axis=2, keepdims=True).astype(cos.dtype)  # noqa: E731
     return dx, over_heads(g * x), over_heads(g * _rotate_half(x))
