@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -49,6 +50,10 @@ class RolloutConfig:
     # continuous only: the rows' two halves take turns, one sampling while the environments step the other's
     # actions (_play_continuous); for environments whose steps take about as long as a sampler call
     async_env_steps: bool = False
+    # continuous only: a sampler call returns once this share of its rows finished their turn; those take their
+    # environment step and next turn (or a queued episode) while the others go on decoding. 1: calls run until
+    # every row has finished its turn.
+    refill_after: float = 0.5
 
     def validate(self) -> None:
         if self.max_turn_tokens < 1:
@@ -58,6 +63,9 @@ class RolloutConfig:
         SamplingParams(self.temperature, self.top_p, self.top_k, self.max_turn_tokens).validate()
         if self.max_rows < 0:
             raise ConfigError(f"rollout.max_rows must be >= 0 (0: every episode at once), got {self.max_rows}")
+        if not 0 < self.refill_after <= 1:
+            raise ConfigError(f"rollout.refill_after must be in (0, 1] (a share of a call's rows), got "
+                              f"{self.refill_after}")
         if self.async_env_steps and not self.continuous:
             raise ConfigError("rollout.async_env_steps needs rollout.continuous=True (lock-step rounds wait for "
                               "every episode's answer anyway)")
@@ -217,10 +225,11 @@ class _Turns:
         return SamplingParams(c.temperature, c.top_p, c.top_k, min(c.max_turn_tokens, room))
 
     def generate(self, state: Any, rows: list[list[int] | None], params: list[SamplingParams],
-                 keys: jax.Array, turns: np.ndarray) -> tuple[Any, Any]:
+                 keys: jax.Array, turns: np.ndarray, stop_after: int = 0) -> tuple[Any, Any]:
         """One sampler call; row ``r`` draws from ``keys[r]`` folded with its episode's turn ``turns[r]``."""
         t0 = time.perf_counter()
-        state, result = self.sampler.generate(state, rows, keys[0], params, row_keys=_turn_keys(keys, turns))
+        state, result = self.sampler.generate(state, rows, keys[0], params, row_keys=_turn_keys(keys, turns),
+                                              stop_after=stop_after)
         self.stats.sampling_s += time.perf_counter() - t0
         self.stats.rounds += 1
         return state, result
@@ -272,13 +281,17 @@ class _Turns:
 
     def sample_turn(self, state: Any, trajectories: Sequence[Trajectory], active: Sequence[int],
                     row_of: dict[int, int], pending: dict[int, list[int]], cached: dict[int, int],
-                    episode_keys: jax.Array) -> tuple[Any, list[int], dict[int, str], dict[int, list[int]]]:
+                    episode_keys: jax.Array, decoding: dict[int, list[int]] | None = None, stop_after: int = 0,
+                    ) -> tuple[Any, list[int], dict[int, str], dict[int, list[int]]]:
         """One sampler call for the episodes in ``active`` (trajectory indices, each in its sampler row), which
-        records their turns. ``cached[i]``: leading ids of ``pending[i]`` already in the row. Returns the state,
-        the episodes that ended (cache full), the actions for the environment by episode id, and each episode's
-        sampled ids."""
+        records their turns. ``cached[i]``: leading ids of ``pending[i]`` already in the row. ``decoding``: the
+        episodes mid-turn (a call with ``stop_after`` returned before they finished), each with its turn's prompt;
+        they go on decoding, and those still unfinished after this call stay in it. Returns the state, the
+        episodes that ended (cache full), the actions for the environment by episode id, and the sampled ids of
+        each episode that finished its turn."""
         c = self.config
-        rows: list[list[int] | None] = [None] * state.batch_size
+        decoding = {} if decoding is None else decoding
+        rows: list[list[int] | None] = [None] * state.batch_size  # None: a row mid-turn goes on
         params = [SamplingParams(c.temperature, c.top_p, c.top_k, 1)] * state.batch_size
         episode_of_row = np.zeros((state.batch_size,), np.int32)
         for i in active:
@@ -286,12 +299,18 @@ class _Turns:
             params[row_of[i]] = self.params(trajectories[i], pending[i])
             episode_of_row[row_of[i]] = i
         state, result = self.generate(state, rows, params, episode_keys[episode_of_row],
-                                      np.array([trajectories[i].turns for i in episode_of_row], np.int32))
+                                      np.array([trajectories[i].turns for i in episode_of_row], np.int32),
+                                      stop_after)
+        prompts = {**{i: pending.pop(i) for i in active}, **decoding}
         ended, actions, sampled = [], {}, {}
-        for i in active:
+        for i, prompt in prompts.items():
             row = row_of[i]
+            if result.stop_reasons[row] == StopReason.RUNNING:
+                decoding[i] = prompt
+                continue
+            decoding.pop(i, None)
             sampled[i] = result.tokens[row]
-            action = self.record(trajectories[i], pending.pop(i), sampled[i], result.logprobs[row],
+            action = self.record(trajectories[i], prompt, sampled[i], result.logprobs[row],
                                  result.stop_reasons[row])
             if action is None:
                 ended.append(i)
@@ -357,7 +376,9 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
     """Episodes queue for ``config.max_rows`` sampler rows (all at once when 0): each round, free rows take the
     next queued episodes (reset, and their prompt written into the row's emptied cache), then the episodes in
     rows take a turn. A finished episode frees its row (and its environment episode) at once, so no row waits
-    for the slowest episode of a round.
+    for the slowest episode of a round. Within a round no row waits for the slowest turn either: a sampler call
+    returns once ``config.refill_after`` of its rows finished their turn; the others go on decoding in the next
+    call, beside the rows that took their next turn or a queued episode meanwhile.
 
     With ``config.async_env_steps`` the rows form two halves (the first and the second half of the rows, so that
     each half's episodes are spread over the pool's workers), each its own sampler batch, that take turns: while
@@ -373,6 +394,7 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
     free_rows = list(range(rows))
     row_of: dict[int, int] = {}  # playing episode -> its row
     pending: dict[int, list[int]] = {}
+    decoding: dict[int, list[int]] = {}  # episodes mid-turn (their call returned early) -> their turn's prompt
     opening = SharedOpening()
     cached: dict[int, int] = {}  # episode -> leading ids of its pending prompt already in its row
     executor = concurrent.futures.ThreadPoolExecutor(1, "env-steps") if halves == 2 else None
@@ -423,17 +445,20 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
                 release(settle())  # resets use the pool: the steps in flight finish first
                 admit()
             waiting = set(in_flight[1]) if in_flight else set()
-            ready = [i for i in row_of if i not in waiting]
+            ready = [i for i in row_of if i not in waiting]  # starting a turn or mid-turn
             if halves == 2 and not any(row_of[i] // size == half for i in ready):
                 half = 1 - half  # this half has no episode ready: the other one samples
             ready = [i for i in ready if row_of[i] // size == half]
-            ended = [i for i in ready if not turns.fits(trajectories[i], pending[i])]
-            active = [i for i in ready if i not in ended]
+            ended = [i for i in ready if i not in decoding and not turns.fits(trajectories[i], pending[i])]
+            active = [i for i in ready if i not in ended and i not in decoding]
+            going_on = {i: decoding.pop(i) for i in ready if i in decoding}
             actions: dict[int, str] = {}
-            if active:
-                local = {i: row_of[i] % size for i in active}
+            if active or going_on:
+                local = {i: row_of[i] % size for i in active + list(going_on)}
+                stop_after = math.ceil(turns.config.refill_after * (len(active) + len(going_on)))
                 states[half], finished_now, actions, sampled = turns.sample_turn(
-                    states[half], trajectories, active, local, pending, cached, episode_keys)
+                    states[half], trajectories, active, local, pending, cached, episode_keys, going_on, stop_after)
+                decoding.update(going_on)  # those still mid-turn
                 ended += finished_now
             ended += settle()  # the other half's answers, stepped while this half sampled
             release(ended)
@@ -441,6 +466,9 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
                 in_flight = (executor.submit(turns.pool.step, actions), sampled)
             elif actions:
                 release(turns.apply_answers(trajectories, turns.step(actions), sampled, pending))
+            if not queue:  # nothing left to admit: the rows of ended episodes only cost the calls their reads
+                for h in range(halves):
+                    states[h] = _compact(turns, states[h], row_of, h, size)
             half = (half + 1) % halves
             round_index += 1
             if progress is not None:
@@ -449,6 +477,20 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
     finally:
         if executor is not None:
             executor.shutdown(wait=True)  # nothing else may use the pool while a step is in flight
+
+
+def _compact(turns: _Turns, state: Any, row_of: dict[int, int], half: int, size: int) -> Any:
+    """Half ``half``'s sampler state with only the rows of its playing episodes, in a smaller batch bucket when
+    they fit one (as lock-step rounds drop finished rows; ``config.compact_below``); ``row_of`` is updated."""
+    playing = sorted((row % size, i) for i, row in row_of.items() if row // size == half)
+    sampler = turns.sampler
+    if (not playing or len(playing) >= turns.config.compact_below * state.batch_size
+            or sampler.batch_bucket(len(playing)) >= state.batch_size):
+        return state
+    state = sampler.select_rows(state, [row for row, _ in playing])
+    for local, (_, i) in enumerate(playing):
+        row_of[i] = half * size + local
+    return state
 
 
 @jax.jit

@@ -41,6 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
         stop_strings=(),  # text that ends a turn, e.g. ("</search>", "</answer>") for searchqa (chat.stop_sequences)
         max_rows=0, continuous=False,  # sampler rows (0: all episodes) and how they are kept busy (rollout.py)
         async_env_steps=False,  # continuous only: env steps of one half of the rows overlap sampling of the other
+        refill_after=0.5,  # continuous only: a sampler call returns once this share of its rows ended their turn
     )
     c.horizon = dict(type="fixed", turns=20, rounds=(6, 13, 20), steps_per_stage=100, stage_starts=(), start=1, end=1,
                      increment=1)
@@ -129,6 +130,8 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
     _require(0 < rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {rollout.top_p}")
     _require(rollout.continuous or not rollout.async_env_steps, "rollout.async_env_steps",
              "needs rollout.continuous=True (lock-step rounds wait for every answer); set both")
+    _require(0 < rollout.refill_after <= 1, "rollout.refill_after",
+             f"must be in (0, 1] (the share of a sampler call's rows that ends it), got {rollout.refill_after}")
     _require(config.env.num_workers >= 0, "env.num_workers", f"must be >= 0, got {config.env.num_workers}")
     _require(config.env.step_timeout_s > 0, "env.step_timeout_s", "must be positive")
     from environments.base import registered_environments

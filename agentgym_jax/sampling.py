@@ -2,8 +2,9 @@
 
 Each row (one episode) owns a slice of the KV cache and its own filled length. A call to
 :meth:`Sampler.generate` appends every active row's new tokens (the environment observation plus chat-template
-glue) to that row's cache, then decodes in a ``lax.while_loop`` until every row has stopped. The history is never
-recomputed: a multi-turn episode costs one prefill of its new tokens per turn.
+glue) to that row's cache, then decodes in a ``lax.while_loop`` until every row has stopped (or, with
+``stop_after``, until that many have: the others go on in the next call, :mod:`agentgym_jax.partial_turns`). The
+history is never recomputed: a multi-turn episode costs one prefill of its new tokens per turn.
 
 The sampler reads the policy parameters exactly as the trainer holds them (the ``nnx.split`` state), so
 sampling and training share one set of sharded arrays.
@@ -16,7 +17,6 @@ what a teacher-forced forward over the whole sequence gives.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from functools import partial
 from typing import Any, Sequence
 
@@ -29,19 +29,10 @@ from jax.sharding import Mesh
 from agentgym_jax import compile_stats, prefill, sharding
 from agentgym_jax.buckets import bucket
 from agentgym_jax.errors import ConfigError
+from agentgym_jax.generate_program import PROGRAM_NAME, StopReason
+from agentgym_jax.generate_program import generate_program as _generate_program
 from agentgym_jax.model import DecoderLM, KVCache, to_dtype
-from agentgym_jax.token_draws import draw_tokens
-
-
-class StopReason(enum.IntEnum):
-    """Why a row stopped generating in a call."""
-
-    RUNNING = 0
-    STOP_TOKEN = 1  # sampled an end-of-turn / EOS id (kept as the row's last token)
-    STOP_SEQUENCE = 2  # the generated tail matched a stop sequence
-    MAX_TOKENS = 3  # reached the row's max_new_tokens
-    CACHE_FULL = 4  # the row's KV cache has no slot left (its history would be truncated otherwise)
-    INACTIVE = 5  # the row took no part in this call (finished episode, or no new tokens)
+from agentgym_jax.partial_turns import PartialTurn, moved, without
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,98 +70,13 @@ class SamplerState:
 
     cache: KVCache | None  # None once consumed by Sampler.generate (its buffers were donated)
     lengths: np.ndarray  # [B] host mirror of cache.lengths
+    partial: dict[int, PartialTurn] = dataclasses.field(default_factory=dict)  # rows mid-turn (stop_after)
 
     @property
     def batch_size(self) -> int:
         return int(self.lengths.shape[0])
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_ids", "stop_sequences", "filtered", "window",
-                                   "logprob_temperature"),
-         donate_argnames=("cache",))
-def _generate_program(
-    state: Any,
-    cache: KVCache,
-    new_tokens: jax.Array,  # [B, S] right-padded
-    new_lengths: jax.Array,  # [B]; 0 = inactive row
-    keys: jax.Array,  # [B] PRNG keys
-    temperature: jax.Array,  # [B]
-    top_p: jax.Array,  # [B]
-    top_k: jax.Array,  # [B]
-    max_new_tokens: jax.Array,  # [B]
-    *,
-    graphdef: Any,
-    max_new: int,
-    stop_ids: tuple[int, ...],
-    stop_sequences: tuple[tuple[int, ...], ...],
-    filtered: bool,
-    window: int,
-    logprob_temperature: float = 1.0,
-):
-    model = nnx.merge(graphdef, state)
-    batch = new_tokens.shape[0]
-    capacity = cache.capacity
-    rows = jnp.arange(batch)
-    full_cache, cache = cache, prefill.window_view(cache, window)
-
-    # Each loop step feeds one token a row (first each row's last new token, then the token it drew) and draws
-    # the next from the logits it gives, so the program holds one copy of the model for S == 1, the usual call
-    # (prompts arrive prefilled but for their last token). Longer blocks write all but their last token first.
-    last = jnp.maximum(new_lengths - 1, 0)
-    if new_tokens.shape[1] > 1:
-        _, cache = model.forward(new_tokens, cache=cache)
-        cache = dataclasses.replace(cache, lengths=cache.lengths + last)
-
-    tail = max([len(s) for s in stop_sequences] + [1])
-    active = new_lengths > 0
-    reason = jnp.where(active, StopReason.RUNNING, StopReason.INACTIVE).astype(jnp.int32)
-    carry = dict(
-        step=jnp.int32(0), cache=cache, feed=new_tokens[rows, last], feeding=active, reason=reason,
-        tokens=jnp.zeros((batch, max_new), jnp.int32), logprobs=jnp.zeros((batch, max_new), jnp.float32),
-        count=jnp.zeros((batch,), jnp.int32), recent=jnp.full((batch, tail), -1, jnp.int32),
-    )
-    stop_id_array = jnp.asarray(stop_ids or (-1,), jnp.int32)
-
-    def cond(c):
-        return (c["step"] <= max_new) & jnp.any(c["feeding"])
-
-    def body(c):
-        # Feed (stop tokens too: they belong to the conversation the next turn extends).
-        hidden, cache = model.forward(c["feed"][:, None], cache=c["cache"])
-        cache = dataclasses.replace(cache, lengths=cache.lengths + c["feeding"])
-        logits = model.logits(hidden)[:, 0]
-        reason, count = c["reason"], c["count"]
-        running = reason == StopReason.RUNNING
-        full = running & (cache.lengths >= capacity)
-        reason = jnp.where(full, StopReason.CACHE_FULL, reason)
-        running = running & ~full
-        token, logprob = draw_tokens(logits, keys, count, temperature, top_p, top_k, filtered,
-                                     logprob_temperature)
-        token = jnp.where(running, token, 0)
-        write_at = jnp.where(running, count, max_new)  # out of range -> dropped
-        tokens = c["tokens"].at[rows, write_at].set(token, mode="drop")
-        logprobs = c["logprobs"].at[rows, write_at].set(logprob, mode="drop")
-        count = count + running
-        recent = jnp.where(running[:, None], jnp.concatenate([c["recent"][:, 1:], token[:, None]], 1), c["recent"])
-        hit_stop_id = jnp.any(token[:, None] == stop_id_array[None, :], axis=-1)
-        hit_sequence = jnp.zeros((batch,), bool)
-        for sequence in stop_sequences:
-            pattern = jnp.asarray(sequence, jnp.int32)
-            hit_sequence = hit_sequence | jnp.all(recent[:, tail - len(sequence):] == pattern[None, :], axis=-1)
-        new_reason = jnp.where(
-            hit_stop_id, StopReason.STOP_TOKEN,
-            jnp.where(hit_sequence, StopReason.STOP_SEQUENCE,
-                      jnp.where(count >= max_new_tokens, StopReason.MAX_TOKENS, StopReason.RUNNING)),
-        )
-        reason = jnp.where(running, new_reason, reason)
-        return dict(step=c["step"] + 1, cache=cache, feed=token, feeding=running, reason=reason, tokens=tokens,
-                    logprobs=logprobs, count=count, recent=recent)
-
-    out = jax.lax.while_loop(cond, body, carry)
-    return prefill.write_back(full_cache, out["cache"]), out["tokens"], out["logprobs"], out["count"], out["reason"]
-
-
-PROGRAM_NAME = "_generate_program"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +170,7 @@ class Sampler:
         rng: jax.Array,
         params: SamplingParams | Sequence[SamplingParams],
         row_keys: jax.Array | None = None,
+        stop_after: int = 0,
     ) -> tuple[SamplerState, GenerateResult]:
         """Appends ``new_tokens[b]`` to row b's cache and samples its continuation.
 
@@ -272,6 +179,10 @@ class Sampler:
         index, so a row's sample does not depend on the other rows. ``row_keys`` (one key per entry of
         ``new_tokens``) replaces the per-row split: a caller that keys each episode itself gets the same samples
         whichever row, batch or process plays it.
+
+        ``stop_after=n`` returns once ``n`` rows finished their turn (0: once every row has); a row still decoding
+        then reports ``StopReason.RUNNING`` with its ids so far, and the next call given no tokens for it goes on
+        with its turn (same ids as one uninterrupted call; its result then holds the whole turn).
         """
         if state.cache is None:
             raise ConfigError(
@@ -286,8 +197,12 @@ class Sampler:
             raise ConfigError(f"got {len(per_row)} SamplingParams for {len(new_tokens)} rows")
         for p in per_row:
             p.validate()
-        rows = [list(t or ()) for t in new_tokens] + [[]] * (batch - len(new_tokens))
-        per_row = per_row + [SamplingParams()] * (batch - len(per_row))
+        resumed = self._check_resumed(state, new_tokens)
+        rows = [[resumed[b].feed] if b in resumed else list(t or ()) for b, t in enumerate(new_tokens)]
+        rows += [[]] * (batch - len(new_tokens))
+        per_row = [resumed[b].params if b in resumed else p for b, p in enumerate(per_row)]
+        per_row += [SamplingParams()] * (batch - len(per_row))
+        drawn = np.array([len(resumed[b].tokens) if b in resumed else 0 for b in range(batch)], np.int32)
         lengths = np.array([len(t) for t in rows], np.int64)
         reasons_before = np.full((batch,), StopReason.RUNNING)
         self._check_context(state.lengths + lengths)
@@ -302,14 +217,21 @@ class Sampler:
             rows = [ids[heads[b]:] if lengths[b] else [] for b, ids in enumerate(rows)]
             lengths = np.minimum(lengths, 1)
         token_array = self._right_padded(rows, lengths)
-        max_new = bucket(max(p.max_new_tokens for p in per_row), self.config.new_token_buckets)
-        window = self.window(state.lengths, lengths, [p.max_new_tokens for p in per_row])
+        remaining = [p.max_new_tokens - int(d) for p, d in zip(per_row, drawn)]
+        max_new = bucket(max(remaining), self.config.new_token_buckets)
+        window = self.window(state.lengths, lengths, remaining)
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in per_row)
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(batch))
         if row_keys is not None:
             if len(row_keys) != len(new_tokens):
                 raise ConfigError(f"got {len(row_keys)} row keys for {len(new_tokens)} rows")
             keys = keys.at[: len(new_tokens)].set(row_keys)
+        if resumed:
+            keys = keys.at[np.array(sorted(resumed))].set(jnp.stack([resumed[b].key for b in sorted(resumed)]))
+        tail = max([len(s) for s in self.config.stop_sequences] + [1])
+        recent = np.full((batch, tail), -1, np.int32)
+        for b, turn in resumed.items():
+            recent[b] = turn.recent
         arrays = dict(
             new_tokens=token_array,
             new_lengths=lengths.astype(np.int32),
@@ -317,6 +239,8 @@ class Sampler:
             top_p=np.array([p.top_p for p in per_row], np.float32),
             top_k=np.array([p.top_k for p in per_row], np.int32),
             max_new_tokens=np.array([p.max_new_tokens for p in per_row], np.int32),
+            drawn=drawn,
+            recent=recent,
         )
         with sharding.use_mesh(self.mesh):
             if self.mesh is not None:
@@ -324,23 +248,43 @@ class Sampler:
                     k: jax.device_put(v, sharding.named_sharding(self.mesh, "tokens" if v.ndim == 2 else "rows"))
                     for k, v in arrays.items()
                 }
-            cache, tokens, logprobs, count, reason = _generate_program(
-                self.state, state.cache, keys=keys, graphdef=self.graphdef, max_new=max_new,
-                stop_ids=tuple(self.config.stop_token_ids), stop_sequences=tuple(self.config.stop_sequences),
-                filtered=filtered, window=window, logprob_temperature=float(self.config.logprob_temperature),
-                **arrays,
+            cache, tokens, logprobs, count, reason, feed, recent = _generate_program(
+                self.state, state.cache, keys=keys, stop_after=np.int32(stop_after or batch), graphdef=self.graphdef,
+                max_new=max_new, stop_ids=tuple(self.config.stop_token_ids),
+                stop_sequences=tuple(self.config.stop_sequences), filtered=filtered, window=window,
+                logprob_temperature=float(self.config.logprob_temperature), **arrays,
             )
         state.cache = None  # donated to the program above
         tokens, logprobs, count, reason, cache_lengths = jax.device_get(
             (tokens, logprobs, count, reason, cache.lengths)
         )
         reason = np.where(reasons_before == StopReason.CACHE_FULL, StopReason.CACHE_FULL, reason)
+        earlier = lambda b, field: getattr(resumed[b], field) if b in resumed else ()  # noqa: E731
         result = GenerateResult(
-            tokens=[tokens[b, : count[b]].tolist() for b in range(len(new_tokens))],
-            logprobs=[logprobs[b, : count[b]].tolist() for b in range(len(new_tokens))],
+            tokens=[list(earlier(b, "tokens")) + tokens[b, : count[b]].tolist() for b in range(len(new_tokens))],
+            logprobs=[list(earlier(b, "logprobs")) + logprobs[b, : count[b]].tolist() for b in range(len(new_tokens))],
             stop_reasons=[StopReason(int(r)) for r in reason[: len(new_tokens)]],
         )
-        return SamplerState(cache=cache, lengths=np.asarray(cache_lengths, np.int64)), result
+        partial = {}
+        running = np.flatnonzero(reason[: len(new_tokens)] == StopReason.RUNNING)
+        if running.size:
+            feed, recent = jax.device_get((feed, recent))
+            partial = {int(b): PartialTurn(int(feed[b]), tuple(result.tokens[b]), tuple(result.logprobs[b]),
+                                           tuple(int(i) for i in recent[b]), per_row[b], keys[b])
+                       for b in running}
+        return SamplerState(cache=cache, lengths=np.asarray(cache_lengths, np.int64), partial=partial), result
+
+    def _check_resumed(self, state: SamplerState, new_tokens: Sequence[Sequence[int] | None]
+                       ) -> dict[int, PartialTurn]:
+        """The rows whose turn goes on in this call (mid-turn rows given no tokens)."""
+        for b in state.partial:
+            if b >= len(new_tokens):
+                raise ConfigError(f"row {b} is mid-turn (an earlier call returned early, stop_after): pass an "
+                                  f"entry for it in new_tokens (None goes on with its turn)")
+            if new_tokens[b]:
+                raise ConfigError(f"row {b} is mid-turn (an earlier call returned early, stop_after); give it no "
+                                  f"tokens to go on with its turn, or clear_rows([{b}]) to end it first")
+        return dict(state.partial)
 
     def prefill(self, state: SamplerState, new_tokens: Sequence[Sequence[int] | None]) -> SamplerState:
         """Appends ``new_tokens[b]`` to row b's cache without sampling (e.g. a prompt shared by several episodes,
@@ -352,6 +296,9 @@ class Sampler:
             raise ConfigError(f"{len(new_tokens)} rows given, but the sampler state holds {batch}")
         rows = [list(t or ()) for t in new_tokens] + [[]] * (batch - len(new_tokens))
         lengths = np.array([len(t) for t in rows], np.int64)
+        if any(lengths[b] for b in state.partial):
+            raise ConfigError(f"rows {sorted(b for b in state.partial if lengths[b])} are mid-turn (a generate call "
+                              "returned early, stop_after): finish their turn first, or clear_rows them")
         self._check_context(state.lengths + lengths)
         if np.any(state.lengths + lengths > self.config.cache_length):
             raise ConfigError(f"prefill of {int(lengths.max())} tokens does not fit the sampler cache of "
@@ -401,7 +348,7 @@ class Sampler:
         lengths = state.lengths.copy()
         lengths[list(rows)] = part.lengths[: len(rows)]
         state.cache = None  # donated
-        return SamplerState(cache=cache, lengths=lengths)
+        return SamplerState(cache=cache, lengths=lengths, partial=without(state.partial, rows))
 
     def _prefill_block(self, state: SamplerState, rows: list[list[int]]) -> SamplerState:
         """Every row of ``state`` prefilled together, in the program calls :meth:`_prefill_pieces` gives for the
@@ -426,7 +373,7 @@ class Sampler:
             cache = prefill.prefill_program(self.state, state.cache, tokens, counts, graphdef=self.graphdef,
                                              window=window)
         state.cache = None  # donated
-        return SamplerState(cache=cache, lengths=state.lengths + lengths)
+        return dataclasses.replace(state, cache=cache, lengths=state.lengths + lengths)
 
     def clear_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """Empties ``rows`` for new episodes (their next tokens are written from slot 0; what the old episode
@@ -438,7 +385,8 @@ class Sampler:
         with sharding.use_mesh(self.mesh):
             cache = _clear_rows_program(state.cache, jnp.asarray(clear))
         state.cache = None  # donated
-        return SamplerState(cache=cache, lengths=np.where(clear, 0, state.lengths))
+        return SamplerState(cache=cache, lengths=np.where(clear, 0, state.lengths),
+                            partial=without(state.partial, rows))
 
     def copy_row(self, source: SamplerState, row: int, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """Copies ``source``'s cache row ``row`` (e.g. a prefilled shared prompt) into ``rows`` of ``state``."""
@@ -447,7 +395,8 @@ class Sampler:
         with sharding.use_mesh(self.mesh):
             cache = _copy_row_program(source.cache, jnp.int32(row), state.cache, jnp.asarray(into))
         state.cache = None  # donated
-        return SamplerState(cache=cache, lengths=np.where(into, source.lengths[row], state.lengths))
+        return SamplerState(cache=cache, lengths=np.where(into, source.lengths[row], state.lengths),
+                            partial=without(state.partial, rows))
 
     def select_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """Keeps only ``rows`` (e.g. drops finished episodes), compacting into a smaller batch bucket; a row
@@ -460,7 +409,7 @@ class Sampler:
         with sharding.use_mesh(self.mesh):
             cache = _select_rows_program(state.cache, jnp.asarray(index), jnp.asarray(keep))
         lengths = np.where(keep, state.lengths[index], 0)
-        return SamplerState(cache=cache, lengths=lengths)
+        return SamplerState(cache=cache, lengths=lengths, partial=moved(state.partial, index, keep))
 
 
 @partial(jax.jit, donate_argnames=("cache",))

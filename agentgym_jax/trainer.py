@@ -95,6 +95,7 @@ class Trainer:
             system_prompt=config.rollout.system_prompt or None, canned_reply=config.rollout.canned_reply,
             response_prefix=config.rollout.response_prefix, max_rows=config.rollout.max_rows,
             continuous=config.rollout.continuous, async_env_steps=config.rollout.async_env_steps,
+            refill_after=config.rollout.refill_after,
         )
         self.signal_monitor = SignalMonitor()
         from environments.workers import EnvPool

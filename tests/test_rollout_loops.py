@@ -24,7 +24,9 @@ def trainer(tmp_path_factory):
     root = tmp_path_factory.mktemp("loops")
     config = tiny_config(save_tiny_chat_model(root / "model"), root / "run")
     config.env.kwargs = dict(turns=5, stop_on_hit=True)  # episodes of 1 to 5 turns
-    config.rollout.max_turn_tokens, config.rollout.max_trajectory_tokens = 3, 384
+    config.rollout.max_turn_tokens, config.rollout.max_trajectory_tokens = 4, 384
+    # ids the random model draws often end a turn: turns of 1 to 4 tokens, so continuous calls return early
+    config.rollout.stop_strings = ("X", "l", "ar", "R", "s", "e", "a", "o")
     trainer = Trainer(config)
     yield trainer
     trainer.close()
@@ -32,22 +34,35 @@ def trainer(tmp_path_factory):
 
 def _play(trainer, tasks, greedy, **rollout):
     rollout.setdefault("async_env_steps", False)
+    rollout.setdefault("refill_after", 0.5)
     trainer.rollout_config = dataclasses.replace(trainer.rollout_config, **rollout)
     trajectories, stats = trainer.rollout(tasks, 4, 5, jax.random.PRNGKey(11), greedy=greedy)
     return trajectories, stats
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_continuous_episodes_play_the_lockstep_episodes(trainer, greedy):
+def test_continuous_episodes_play_the_lockstep_episodes(trainer, greedy, monkeypatch):
     tasks = trainer.train_tasks[:6]  # 24 episodes
     lockstep, lock_stats = _play(trainer, tasks, greedy, continuous=False, max_rows=0)
-    continuous, cont_stats = _play(trainer, tasks, greedy, continuous=True, max_rows=8)
+    continuous, cont_stats = _play(trainer, tasks, greedy, continuous=True, max_rows=8, refill_after=1.0)
+    mid_turn = []  # rows still decoding when a call returned (refill_after < 1)
+    real = trainer.sampler.generate
+
+    def spy(*args, **kwargs):
+        state, result = real(*args, **kwargs)
+        mid_turn.append(len(state.partial))
+        return state, result
+
+    monkeypatch.setattr(trainer.sampler, "generate", spy)
+    early, early_stats = _play(trainer, tasks, greedy, continuous=True, max_rows=8, refill_after=0.25)
+    monkeypatch.undo()
+    assert greedy or sum(mid_turn) > 0, mid_turn  # sampled turns of 1 to 4 tokens: some calls returned early
     waves, wave_stats = _play(trainer, tasks, greedy, continuous=False, max_rows=8)
     overlapped, async_stats = _play(trainer, tasks, greedy, continuous=True, max_rows=8, async_env_steps=True)
     turns = [t.turns for t in lockstep]
     if not greedy:  # (the random model's greedy reply never scores: every greedy episode takes 5 turns)
         assert min(turns) < max(turns), turns  # episodes of different lengths
-    for other in (continuous, waves, overlapped):
+    for other in (continuous, early, waves, overlapped):
         assert len(other) == len(lockstep)
         for mine, ref in zip(other, lockstep):
             assert (mine.task_id, mine.group_id, mine.turns, mine.end_reason) == (
@@ -58,7 +73,7 @@ def test_continuous_episodes_play_the_lockstep_episodes(trainer, greedy):
     # 8 rows for 24 episodes: the continuous loop refills rows instead of playing waves of 8, each waiting for its
     # slowest episode
     assert (cont_stats.generated_tokens == wave_stats.generated_tokens == lock_stats.generated_tokens
-            == async_stats.generated_tokens)
+            == async_stats.generated_tokens == early_stats.generated_tokens)
     assert async_stats.env_steps == cont_stats.env_steps
     assert cont_stats.rounds <= wave_stats.rounds
     if not greedy:
@@ -85,6 +100,27 @@ def test_continuous_rows_bound_the_sampler_batch(trainer, monkeypatch):
     _play(trainer, trainer.train_tasks[:6], True, continuous=True, max_rows=8)
     assert sizes and set(sizes) == {8}
     assert sum(copies) == 24  # every episode's row got the shared opening from the one prefilled copy
+
+
+def test_continuous_tail_drops_the_rows_of_ended_episodes(trainer, monkeypatch):
+    calls = []  # (batch of the call, rows given tokens)
+    real = trainer.sampler.generate
+
+    def spy(state, rows, *args, **kwargs):
+        calls.append((state.batch_size, sum(1 for ids in rows if ids)))
+        return real(state, rows, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.sampler, "generate", spy)
+    played, _ = _play(trainer, trainer.train_tasks[:6], False, continuous=True, max_rows=8)
+    turns = [t.turns for t in played]
+    assert min(turns) < max(turns), turns
+    assert calls[0] == (8, 8)
+    # once no episode queues and fewer than half the rows play, a call holds only the playing episodes, in the
+    # smallest batch bucket that fits them, to the end (the episodes are the lock-step ones: test above, same seed)
+    batches = [batch for batch, _ in calls]
+    first_small = next(index for index, batch in enumerate(batches) if batch < 8)
+    assert batches[first_small:] == sorted(batches[first_small:], reverse=True), calls
+    assert all(given <= batch for batch, given in calls), calls
 
 
 def test_continuous_rows_compute_a_task_prompt_once(trainer, monkeypatch):
