@@ -93,16 +93,17 @@ def _fork_same_prompts(sampler: Sampler, state: Any, rows: list[tuple[int, list[
     if not groups:
         return state, cached
     tokens: list[list[int] | None] = [None] * state.batch_size
-    source = list(range(state.batch_size))
     cached = list(cached)
     for ids, members in groups.items():
-        lead = rows[members[0]][0]
-        tokens[lead] = list(ids[cached[members[0]]:-1])
+        tokens[rows[members[0]][0]] = list(ids[cached[members[0]]:-1])
         for index in members:
-            source[rows[index][0]] = lead
             cached[index] = len(ids) - 1
     state = sampler.prefill(state, tokens)
-    return sampler.select_rows(state, source), cached
+    for members in groups.values():  # each lead row copied into its group's other rows, in place
+        if len(members) > 1:
+            lead = sampler.select_rows(state, [rows[members[0]][0]])
+            state = sampler.copy_row(lead, 0, state, [rows[index][0] for index in members[1:]])
+    return state, cached
 
 
 def _shared_head(prompts: list[list[int]]) -> int:

@@ -85,7 +85,9 @@ def measure_loops() -> dict:
     config.rollout.max_trajectory_tokens = 2048
     if _LOOP_MODEL.value:
         config.model.path = _LOOP_MODEL.value
+    refill_after = config.rollout.refill_after
     loops = {"continuous": dict(continuous=True, max_rows=_LOOP_ROWS),
+             "continuous_whole_turns": dict(continuous=True, max_rows=_LOOP_ROWS, refill_after=1.0),
              "lockstep_same_rows": dict(continuous=False, max_rows=_LOOP_ROWS),
              "lockstep_all_rows": dict(continuous=False, max_rows=0)}
     if not _ALL_ROWS.value:
@@ -126,11 +128,14 @@ def measure_loops() -> dict:
         "continuous_vs_lockstep": rate["continuous"] / rate["lockstep_same_rows"],
         "continuous_vs_lockstep_all_rows": (rate["continuous"] / rate["lockstep_all_rows"]
                                             if "lockstep_all_rows" in rate else None),
+        "continuous_early_return_gain": rate["continuous"] / rate["continuous_whole_turns"],
         "loops": {
             "workload": f"{_LOOP_TASKS} {_LOOP_ENV.value} GoTo tasks x {_LOOP_SAMPLES} samples, "
                         f"horizon {_LOOP_HORIZON}, "
                         f"temperature {config.rollout.temperature}, {_LOOP_ROWS} sampler rows (all 32 for "
-                        "lockstep_all_rows); the demo's prefix and stop rules",
+                        "lockstep_all_rows); the demo's prefix and stop rules; continuous calls return once "
+                        f"{refill_after} of their rows finished their turn (rollout.refill_after; 1.0 for "
+                        "continuous_whole_turns)",
             "policy": _LOOP_MODEL.value or "the demo config's model (untrained)",
             "episodes_per_s": rate, "seconds_without_program_builds": seconds, "program_build_seconds": compiling,
             "sampler_calls": rounds,
