@@ -49,7 +49,7 @@ def generate_program(
     max_new_tokens: jax.Array,  # [B] tokens of the whole turn
     drawn: jax.Array,  # [B] tokens of this turn drawn by earlier calls (a row resumed mid-turn; else 0)
     recent: jax.Array,  # [B, tail] a resumed row's last drawn ids, for stop sequences (-1 where none)
-    stop_after: jax.Array,  # [] return once this many rows finished their turn (and no row has an unfed token)
+    stop_after: jax.Array,  # [] return once this many rows stopped (0: once every row's ids are in the cache)
     *,
     graphdef: Any,
     max_new: int,
@@ -84,10 +84,8 @@ def generate_program(
     stop_id_array = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
     def cond(c):
-        stopped = c["reason"] != StopReason.RUNNING
-        finished = jnp.sum(active & stopped & ~c["feeding"])  # turns whose every token is in the cache
-        unfed = jnp.any(c["feeding"] & stopped)  # a stop token still to feed: one more step
-        return (c["step"] <= max_new) & jnp.any(c["feeding"]) & ((finished < stop_after) | unfed)
+        stopped = jnp.sum(active & (c["reason"] != StopReason.RUNNING))  # (a row's last id may be still unfed)
+        return (c["step"] <= max_new) & jnp.any(c["feeding"]) & ((stop_after == 0) | (stopped < stop_after))
 
     def body(c):
         # Feed (stop tokens too: they belong to the conversation the next turn extends).
@@ -123,4 +121,4 @@ def generate_program(
 
     out = jax.lax.while_loop(cond, body, carry)
     return (prefill.write_back(full_cache, out["cache"]), out["tokens"], out["logprobs"], out["count"] - drawn,
-            out["reason"], out["feed"], out["recent"])
+            out["reason"], out["feed"], out["recent"], out["feeding"])

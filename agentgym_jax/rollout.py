@@ -455,7 +455,8 @@ def _play_continuous(turns: _Turns, trajectories: list[Trajectory], episode_keys
             actions: dict[int, str] = {}
             if active or going_on:
                 local = {i: row_of[i] % size for i in active + list(going_on)}
-                stop_after = math.ceil(turns.config.refill_after * (len(active) + len(going_on)))
+                refill_after = turns.config.refill_after  # 1: to the end of every turn, each last id fed
+                stop_after = math.ceil(refill_after * (len(active) + len(going_on))) if refill_after < 1 else 0
                 states[half], finished_now, actions, sampled = turns.sample_turn(
                     states[half], trajectories, active, local, pending, cached, episode_keys, going_on, stop_after)
                 decoding.update(going_on)  # those still mid-turn

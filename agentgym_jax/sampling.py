@@ -71,6 +71,7 @@ class SamplerState:
     cache: KVCache | None  # None once consumed by Sampler.generate (its buffers were donated)
     lengths: np.ndarray  # [B] host mirror of cache.lengths
     partial: dict[int, PartialTurn] = dataclasses.field(default_factory=dict)  # rows mid-turn (stop_after)
+    unfed: dict[int, int] = dataclasses.field(default_factory=dict)  # a finished turn's last id, not yet in the cache
 
     @property
     def batch_size(self) -> int:
@@ -182,7 +183,8 @@ class Sampler:
 
         ``stop_after=n`` returns once ``n`` rows finished their turn (0: once every row has); a row still decoding
         then reports ``StopReason.RUNNING`` with its ids so far, and the next call given no tokens for it goes on
-        with its turn (same ids as one uninterrupted call; its result then holds the whole turn).
+        with its turn (same ids as one uninterrupted call; its result then holds the whole turn). A turn that
+        finished in the call's last step has its last id written ahead of the row's next tokens (``unfed``).
         """
         if state.cache is None:
             raise ConfigError(
@@ -198,8 +200,8 @@ class Sampler:
         for p in per_row:
             p.validate()
         resumed = self._check_resumed(state, new_tokens)
-        rows = [[resumed[b].feed] if b in resumed else list(t or ()) for b, t in enumerate(new_tokens)]
-        rows += [[]] * (batch - len(new_tokens))
+        state, given = _with_unfed(state, new_tokens)
+        rows = [[resumed[b].feed] if b in resumed else given[b] for b in range(batch)]
         per_row = [resumed[b].params if b in resumed else p for b, p in enumerate(per_row)]
         per_row += [SamplingParams()] * (batch - len(per_row))
         drawn = np.array([len(resumed[b].tokens) if b in resumed else 0 for b in range(batch)], np.int32)
@@ -248,8 +250,8 @@ class Sampler:
                     k: jax.device_put(v, sharding.named_sharding(self.mesh, "tokens" if v.ndim == 2 else "rows"))
                     for k, v in arrays.items()
                 }
-            cache, tokens, logprobs, count, reason, feed, recent = _generate_program(
-                self.state, state.cache, keys=keys, stop_after=np.int32(stop_after or batch), graphdef=self.graphdef,
+            cache, tokens, logprobs, count, reason, feed, recent, feeding = _generate_program(
+                self.state, state.cache, keys=keys, stop_after=np.int32(stop_after), graphdef=self.graphdef,
                 max_new=max_new, stop_ids=tuple(self.config.stop_token_ids),
                 stop_sequences=tuple(self.config.stop_sequences), filtered=filtered, window=window,
                 logprob_temperature=float(self.config.logprob_temperature), **arrays,
@@ -265,14 +267,17 @@ class Sampler:
             logprobs=[list(earlier(b, "logprobs")) + logprobs[b, : count[b]].tolist() for b in range(len(new_tokens))],
             stop_reasons=[StopReason(int(r)) for r in reason[: len(new_tokens)]],
         )
-        partial = {}
-        running = np.flatnonzero(reason[: len(new_tokens)] == StopReason.RUNNING)
-        if running.size:
-            feed, recent = jax.device_get((feed, recent))
-            partial = {int(b): PartialTurn(int(feed[b]), tuple(result.tokens[b]), tuple(result.logprobs[b]),
-                                           tuple(int(i) for i in recent[b]), per_row[b], keys[b])
-                       for b in running}
-        return SamplerState(cache=cache, lengths=np.asarray(cache_lengths, np.int64), partial=partial), result
+        partial, unfed = {}, dict(state.unfed)
+        if stop_after:  # rows still decoding, and turns whose last id the call did not feed
+            feed, recent, feeding = jax.device_get((feed, recent, feeding))
+            for b in np.flatnonzero(feeding[: len(new_tokens)]):
+                if reason[b] == StopReason.RUNNING:
+                    partial[int(b)] = PartialTurn(int(feed[b]), tuple(result.tokens[b]), tuple(result.logprobs[b]),
+                                                  tuple(int(i) for i in recent[b]), per_row[b], keys[b])
+                else:
+                    unfed[int(b)] = int(feed[b])
+        return SamplerState(cache=cache, lengths=np.asarray(cache_lengths, np.int64), partial=partial,
+                            unfed=unfed), result
 
     def _check_resumed(self, state: SamplerState, new_tokens: Sequence[Sequence[int] | None]
                        ) -> dict[int, PartialTurn]:
@@ -294,11 +299,12 @@ class Sampler:
         batch = state.batch_size
         if len(new_tokens) > batch:
             raise ConfigError(f"{len(new_tokens)} rows given, but the sampler state holds {batch}")
-        rows = [list(t or ()) for t in new_tokens] + [[]] * (batch - len(new_tokens))
+        busy = sorted(b for b in state.partial if b < len(new_tokens) and new_tokens[b])
+        if busy:
+            raise ConfigError(f"rows {busy} are mid-turn (a generate call returned early, stop_after): finish their "
+                              "turn first, or clear_rows them")
+        state, rows = _with_unfed(state, new_tokens)
         lengths = np.array([len(t) for t in rows], np.int64)
-        if any(lengths[b] for b in state.partial):
-            raise ConfigError(f"rows {sorted(b for b in state.partial if lengths[b])} are mid-turn (a generate call "
-                              "returned early, stop_after): finish their turn first, or clear_rows them")
         self._check_context(state.lengths + lengths)
         if np.any(state.lengths + lengths > self.config.cache_length):
             raise ConfigError(f"prefill of {int(lengths.max())} tokens does not fit the sampler cache of "
@@ -348,7 +354,8 @@ class Sampler:
         lengths = state.lengths.copy()
         lengths[list(rows)] = part.lengths[: len(rows)]
         state.cache = None  # donated
-        return SamplerState(cache=cache, lengths=lengths, partial=without(state.partial, rows))
+        return SamplerState(cache=cache, lengths=lengths, partial=without(state.partial, rows),
+                            unfed=without(state.unfed, rows))
 
     def _prefill_block(self, state: SamplerState, rows: list[list[int]]) -> SamplerState:
         """Every row of ``state`` prefilled together, in the program calls :meth:`_prefill_pieces` gives for the
@@ -386,7 +393,7 @@ class Sampler:
             cache = _clear_rows_program(state.cache, jnp.asarray(clear))
         state.cache = None  # donated
         return SamplerState(cache=cache, lengths=np.where(clear, 0, state.lengths),
-                            partial=without(state.partial, rows))
+                            partial=without(state.partial, rows), unfed=without(state.unfed, rows))
 
     def copy_row(self, source: SamplerState, row: int, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """Copies ``source``'s cache row ``row`` (e.g. a prefilled shared prompt) into ``rows`` of ``state``."""
@@ -396,7 +403,7 @@ class Sampler:
             cache = _copy_row_program(source.cache, jnp.int32(row), state.cache, jnp.asarray(into))
         state.cache = None  # donated
         return SamplerState(cache=cache, lengths=np.where(into, source.lengths[row], state.lengths),
-                            partial=without(state.partial, rows))
+                            partial=without(state.partial, rows), unfed=without(state.unfed, rows))
 
     def select_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """Keeps only ``rows`` (e.g. drops finished episodes), compacting into a smaller batch bucket; a row
@@ -409,7 +416,21 @@ class Sampler:
         with sharding.use_mesh(self.mesh):
             cache = _select_rows_program(state.cache, jnp.asarray(index), jnp.asarray(keep))
         lengths = np.where(keep, state.lengths[index], 0)
-        return SamplerState(cache=cache, lengths=lengths, partial=moved(state.partial, index, keep))
+        return SamplerState(cache=cache, lengths=lengths, partial=moved(state.partial, index, keep),
+                            unfed=moved(state.unfed, index, keep))
+
+
+def _with_unfed(state: SamplerState, new_tokens: Sequence[Sequence[int] | None]
+                ) -> tuple[SamplerState, list[list[int]]]:
+    """Every row's new ids (``[]`` for rows given none), a row's unfed last id (a turn that finished in an
+    early-returning call's last step) written ahead of them; the state without the unfed ids now given."""
+    rows = [list(t or ()) for t in new_tokens] + [[]] * (state.batch_size - len(new_tokens))
+    given = [b for b in state.unfed if rows[b]]
+    if not given:
+        return state, rows
+    for b in given:
+        rows[b] = [state.unfed[b]] + rows[b]
+    return dataclasses.replace(state, unfed=without(state.unfed, given)), rows
 
 
 @partial(jax.jit, donate_argnames=("cache",))

@@ -48,8 +48,9 @@ def _next_turn(sampler, state):
     return result.tokens
 
 
-@pytest.mark.parametrize("stop_after", [1, 2])
-def test_early_returns_resume_to_the_uninterrupted_turns(model, stop_after):
+def _compare_with_one_call(model, stop_after):
+    """Plays four sampled turns of different lengths with early returns and in one call, asserts they are the
+    same; whether some turn's last id was left unfed."""
     sampler = Sampler(model, SamplerConfig(cache_length=128))
     params = [SamplingParams(temperature=1.0, max_new_tokens=n) for n in (12, 3, 7, 5)]
     whole, whole_state, whole_calls = _play_turns(sampler, PROMPTS, params, stop_after=0)
@@ -61,8 +62,17 @@ def test_early_returns_resume_to_the_uninterrupted_turns(model, stop_after):
     for b in range(len(PROMPTS)):
         assert parts[b][0] == whole[b][0] and parts[b][2] == whole[b][2]
         np.testing.assert_allclose(parts[b][1], whole[b][1], atol=1e-5)
-    np.testing.assert_array_equal(state.lengths, whole_state.lengths)
-    assert _next_turn(sampler, state) == _next_turn(sampler, whole_state)
+    # a turn that finished in a call's last step has its last id fed ahead of the row's next tokens
+    unfed = np.isin(np.arange(len(PROMPTS)), list(state.unfed))
+    np.testing.assert_array_equal(state.lengths + unfed, whole_state.lengths)
+    assert not whole_state.unfed and _next_turn(sampler, state) == _next_turn(sampler, whole_state)
+    return bool(state.unfed)
+
+
+@pytest.mark.parametrize("stop_after", [1, 2])
+def test_early_returns_resume_to_the_uninterrupted_turns(model, stop_after):
+    left_unfed = _compare_with_one_call(model, stop_after)
+    assert left_unfed or stop_after == 2  # with 1, the call returned in the step that drew a turn's last id
 
 
 def test_a_stop_sequence_across_two_calls_still_stops(model):

@@ -147,7 +147,9 @@ def test_continuous_rows_compute_a_task_prompt_once(trainer, monkeypatch):
     computed = {}
     for name, continuous in (("continuous", True), ("waves", False)):
         written.clear()
-        played, _ = _play(trainer, trainer.train_tasks[:6], True, continuous=continuous, max_rows=8)
+        # (calls run their turns to the end, feeding each last id: an early return would feed it with the next
+        # tokens, counted there)
+        played, _ = _play(trainer, trainer.train_tasks[:6], True, continuous=continuous, max_rows=8, refill_after=1.0)
         computed[name] = sum(written)
     # Greedy: every episode takes 5 turns, so both loops play the same waves of 8 rows (two tasks each), and the
     # same turns. The waves prefill the opening (what every first prompt starts with) once per wave, the
