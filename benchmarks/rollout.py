@@ -86,7 +86,7 @@ def measure_loops() -> dict:
     if _LOOP_MODEL.value:
         config.model.path = _LOOP_MODEL.value
     refill_after = config.rollout.refill_after
-    loops = {"continuous": dict(continuous=True, max_rows=_LOOP_ROWS),
+    loops = {"continuous": dict(continuous=True, max_rows=_LOOP_ROWS, refill_after=refill_after),
              "continuous_whole_turns": dict(continuous=True, max_rows=_LOOP_ROWS, refill_after=1.0),
              "lockstep_same_rows": dict(continuous=False, max_rows=_LOOP_ROWS),
              "lockstep_all_rows": dict(continuous=False, max_rows=0)}
