@@ -342,6 +342,12 @@ class _Turns:
                                                           episode_keys)
         return state, ended + self.apply_answers(trajectories, self.step(actions), sampled, pending)
 
+    def compacts(self, state: Any, playing: int) -> bool:
+        """Whether a batch with ``playing`` episodes left should drop the rows of the others: they fill less than
+        ``config.compact_below`` of it and fit a smaller batch bucket."""
+        return (0 < playing < self.config.compact_below * state.batch_size
+                and self.sampler.batch_bucket(playing) < state.batch_size)
+
     def finish(self, trajectories: Sequence[Trajectory]) -> None:
         for trajectory in trajectories:
             if not trajectory.end_reason:
@@ -353,7 +359,7 @@ def _play_lockstep(turns: _Turns, trajectories: list[Trajectory], episode_keys: 
                    progress: Callable[[int, int, int], None] | None) -> None:
     """Every episode takes its turn in the same round; a round waits for the slowest. Finished rows are dropped
     from the sampler batch when few remain; the samples of a task share one prefill of their prompt."""
-    config, sampler = turns.config, turns.sampler
+    sampler = turns.sampler
     pending = {i: ids for i, ids in enumerate(turns.reset(trajectories)) if ids is not None}
     state, cached = prefill_shared_prompts(sampler, pending, len(trajectories))
     row_of = {index: index for index in range(len(trajectories))}  # trajectory -> sampler row
@@ -361,7 +367,7 @@ def _play_lockstep(turns: _Turns, trajectories: list[Trajectory], episode_keys: 
         active = [i for i in pending if not trajectories[i].end_reason and turns.fits(trajectories[i], pending[i])]
         if not active:
             break
-        if len(active) < config.compact_below * state.batch_size and sampler.batch_bucket(len(active)) < state.batch_size:
+        if turns.compacts(state, len(active)):
             state = sampler.select_rows(state, [row_of[i] for i in active])
             row_of = {i: row for row, i in enumerate(active)}
         state, _ = turns.play_round(state, trajectories, active, row_of, pending, cached, episode_keys)
@@ -484,11 +490,9 @@ def _compact(turns: _Turns, state: Any, row_of: dict[int, int], half: int, size:
     """Half ``half``'s sampler state with only the rows of its playing episodes, in a smaller batch bucket when
     they fit one (as lock-step rounds drop finished rows; ``config.compact_below``); ``row_of`` is updated."""
     playing = sorted((row % size, i) for i, row in row_of.items() if row // size == half)
-    sampler = turns.sampler
-    if (not playing or len(playing) >= turns.config.compact_below * state.batch_size
-            or sampler.batch_bucket(len(playing)) >= state.batch_size):
+    if not turns.compacts(state, len(playing)):
         return state
-    state = sampler.select_rows(state, [row for row, _ in playing])
+    state = turns.sampler.select_rows(state, [row for row, _ in playing])
     for local, (_, i) in enumerate(playing):
         row_of[i] = half * size + local
     return state
