@@ -140,10 +140,11 @@ def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rn
                   rngs=rngs, rank=config.lora_rank if adapted else 0, alpha=config.lora_alpha)
 
 
-def _native_decode(layer_cache: attention.LayerCache) -> bool:
-    """Whether a decode step over ``layer_cache`` runs :func:`native_kernels.decode_attention`: an fp32 or bf16
-    cache, on CPU outside a mesh of several devices (:func:`native_kernels.enabled`)."""
-    return jnp.dtype(layer_cache.dtype) in (jnp.float32, jnp.bfloat16) and native_kernels.enabled()
+def decodes_natively(cache_dtype: Any) -> bool:
+    """Whether a decode step over a cache of ``cache_dtype`` runs :func:`native_kernels.decode_attention` (which
+    reads only each row's own slots): an fp32 or bf16 cache, on CPU outside a mesh of several devices
+    (:func:`native_kernels.enabled`). Decided when a program is traced."""
+    return jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16) and native_kernels.enabled()
 
 
 class Attention(nnx.Module):
@@ -188,7 +189,7 @@ class Attention(nnx.Module):
             k_all = write(layer_cache.keys, k, attention.KEY_SLOT_AXIS)
             v_all = write(layer_cache.values, v, attention.VALUE_SLOT_AXIS)
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
-            native = s == 1 and _native_decode(layer_cache)
+            native = s == 1 and decodes_natively(layer_cache.dtype)
             if not native:
                 k = attention.from_storage(k_all, layer_cache.dtype).astype(q.dtype)
                 v = attention.from_storage(v_all, layer_cache.dtype).astype(q.dtype)

@@ -5,9 +5,9 @@ Ragged prefill: rows of very different lengths computed in length-sorted parts, 
 A prefill (or the prompt part of a generate call) computes ``batch bucket x token bucket`` positions. When one row
 brings 370 new tokens and eleven others 150, one padded block is 16 x 512 = 8192 positions for about 2000 real
 ones. Sorted by length and cut into parts, each padded to its own buckets, the same rows cost far fewer. Each part
-is a further program call (its rows are copied out of the batch's cache and back), priced as ``call_cost``
-positions; the plan below is the cheapest cut under that price. (Within a part, a long prompt is written in
-fixed-size chunks, ``SamplerConfig.prefill_chunk``, and the rest in token buckets: :func:`plan_pieces`.)
+is a further program call (the slots its rows reach are copied out of the batch's cache and back), priced as
+``call_cost`` positions; the plan below is the cheapest cut under that price. (Within a part, a long prompt is
+written in fixed-size chunks, ``SamplerConfig.prefill_chunk``, and the rest in token buckets: :func:`plan_pieces`.)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from agentgym_jax import sharding
@@ -68,12 +69,28 @@ def plan_pieces(length: int, chunk: int, positions: Sizer, buckets: Sequence[int
     return pieces
 
 
+@partial(jax.jit, static_argnames=("window",))
+def take_rows_program(cache: KVCache, index: jax.Array, *, window: int) -> KVCache:
+    """The first ``window`` slots of ``cache``'s rows ``index``, as a cache of their own (an out-of-range index
+    gives an empty row)."""
+    take = lambda x, axis: sharding.constrain(  # noqa: E731
+        jnp.take(jax.lax.slice_in_dim(x, 0, window, axis=axis), index, axis=0, mode="fill", fill_value=0),
+        "kv_cache")
+    return dataclasses.replace(cache, keys=[take(k, KEY_SLOT_AXIS) for k in cache.keys],
+                               values=[take(v, VALUE_SLOT_AXIS) for v in cache.values],
+                               lengths=jnp.take(cache.lengths, index, mode="fill", fill_value=0))
+
+
 @partial(jax.jit, donate_argnames=("cache",))
 def put_rows_program(cache: KVCache, part: KVCache, index: jax.Array) -> KVCache:
-    """Writes ``part``'s rows into ``cache`` at rows ``index`` (an out-of-range index skips that part row)."""
-    put = lambda whole, rows: sharding.constrain(whole.at[index].set(rows, mode="drop"), "kv_cache")  # noqa: E731
-    return dataclasses.replace(cache, keys=[put(k, p) for k, p in zip(cache.keys, part.keys)],
-                               values=[put(v, p) for v, p in zip(cache.values, part.values)],
+    """Writes ``part``'s rows over the first ``part.capacity`` slots of ``cache``'s rows ``index``, in place (an
+    out-of-range index skips that part row)."""
+    def put(whole: jax.Array, rows: jax.Array, axis: int) -> jax.Array:
+        slots = (slice(None),) * (axis - 1) + (slice(0, rows.shape[axis]),)
+        return sharding.constrain(whole.at[(index,) + slots].set(rows, mode="drop"), "kv_cache")
+
+    return dataclasses.replace(cache, keys=[put(k, p, KEY_SLOT_AXIS) for k, p in zip(cache.keys, part.keys)],
+                               values=[put(v, p, VALUE_SLOT_AXIS) for v, p in zip(cache.values, part.values)],
                                lengths=cache.lengths.at[index].set(part.lengths, mode="drop"))
 
 

@@ -31,7 +31,7 @@ from agentgym_jax.buckets import bucket
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.generate_program import PROGRAM_NAME, StopReason
 from agentgym_jax.generate_program import generate_program as _generate_program
-from agentgym_jax.model import DecoderLM, KVCache, to_dtype
+from agentgym_jax.model import DecoderLM, KVCache, decodes_natively, to_dtype
 from agentgym_jax.partial_turns import PartialTurn, moved, without
 
 
@@ -221,7 +221,12 @@ class Sampler:
         token_array = self._right_padded(rows, lengths)
         remaining = [p.max_new_tokens - int(d) for p, d in zip(per_row, drawn)]
         max_new = bucket(max(remaining), self.config.new_token_buckets)
-        window = self.window(state.lengths, lengths, remaining)
+        if token_array.shape[1] == 1 and decodes_natively(state.cache.dtype):
+            # every position is a decode step, whose native attention reads each row's own slots: a window would
+            # only copy the cache out and back, and build a program per window bucket
+            window = self.config.cache_length
+        else:
+            window = self.window(state.lengths, lengths, remaining)
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in per_row)
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(batch))
         if row_keys is not None:
@@ -312,8 +317,7 @@ class Sampler:
         _, parts = self._prefill_plan(lengths, batch)
         if parts:
             for part in parts:
-                block = self._prefill_block(self.select_rows(state, part), [rows[r] for r in part])
-                state = self._put_rows(state, block, part)
+                state = self._prefill_part(state, part, [rows[r] for r in part])
             return state
         return self._prefill_block(state, rows)
 
@@ -345,17 +349,23 @@ class Sampler:
                                          self.config.prefill_call_cost)
         return (cost, parts) if cost < block else (block, None)  # one part too: the rows without tokens idle
 
-    def _put_rows(self, state: SamplerState, part: SamplerState, rows: Sequence[int]) -> SamplerState:
-        """``part``'s first ``len(rows)`` rows written into ``rows`` of ``state`` (consumed)."""
-        index = np.full((part.batch_size,), state.batch_size, np.int32)  # out of range: not written
-        index[: len(rows)] = rows
+    def _prefill_part(self, state: SamplerState, part: Sequence[int], rows: list[list[int]]) -> SamplerState:
+        """Prefills ``rows`` into rows ``part`` of ``state`` (consumed) as a batch of their own: only the slots
+        those rows reach after it (a window bucket) are copied out, and written back in place."""
+        lengths = np.array([len(ids) for ids in rows], np.int64)
+        window = self.window(state.lengths[list(part)], lengths, [0] * len(part), powers_of_two=True)
+        index = np.full((self.batch_bucket(len(part)),), state.batch_size, np.int32)  # out of range: an empty row
+        index[: len(part)] = part
         with sharding.use_mesh(self.mesh):
-            cache = prefill.put_rows_program(state.cache, part.cache, jnp.asarray(index))
-        lengths = state.lengths.copy()
-        lengths[list(rows)] = part.lengths[: len(rows)]
+            block = SamplerState(cache=prefill.take_rows_program(state.cache, jnp.asarray(index), window=window),
+                                 lengths=np.append(state.lengths[list(part)], [0] * (len(index) - len(part))))
+            block = self._prefill_block(block, rows)
+            cache = prefill.put_rows_program(state.cache, block.cache, jnp.asarray(index))
         state.cache = None  # donated
-        return SamplerState(cache=cache, lengths=lengths, partial=without(state.partial, rows),
-                            unfed=without(state.unfed, rows))
+        lengths = state.lengths.copy()
+        lengths[list(part)] = block.lengths[: len(part)]
+        return SamplerState(cache=cache, lengths=lengths, partial=without(state.partial, part),
+                            unfed=without(state.unfed, part))
 
     def _prefill_block(self, state: SamplerState, rows: list[list[int]]) -> SamplerState:
         """Every row of ``state`` prefilled together, in the program calls :meth:`_prefill_pieces` gives for the

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentgym_jax import attention, native_kernels
+from agentgym_jax import attention, native_kernels, sampling
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from tests.test_sampling import PROMPTS, _pair
@@ -60,6 +60,37 @@ def test_sampler_uses_the_kernel_and_generates_what_the_pure_jax_path_does(tmp_p
     calls.clear()
     pure = two_turns("0")
     assert not calls
+    for ours, reference in zip(native, pure):
+        assert ours.tokens == reference.tokens
+        for a, b in zip(ours.logprobs, reference.logprobs):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_one_token_calls_read_the_whole_cache_with_the_kernel(tmp_path_factory, monkeypatch):
+    """With the kernel, a call whose rows bring one token each is decode steps only: it runs over the whole
+    cache (no window copied out and back; one program whatever the rows reach), with the samples of the
+    windowed pure-JAX calls."""
+    _, model, _ = _pair("qwen2-gqa-untied", tmp_path_factory)
+    windows = []
+    program = sampling._generate_program
+    monkeypatch.setattr(sampling, "_generate_program", lambda *a, **k: windows.append(k["window"]) or program(*a, **k))
+
+    def three_turns(setting):
+        monkeypatch.setenv(native_kernels.ENV_VAR, setting)
+        jax.clear_caches()
+        windows.clear()
+        sampler = Sampler(model, SamplerConfig(cache_length=128, window_buckets=(32, 64)))
+        state, turns = sampler.new_state(2), []
+        for turn in range(3):  # the rows reach 32, 64 and 96 slots
+            state = sampler.prefill(state, [[7 + turn] * 20, [9] * 25])
+            state, out = sampler.generate(state, [[5], [6]], jax.random.PRNGKey(turn),
+                                          SamplingParams(temperature=1.0, max_new_tokens=6))
+            turns.append(out)
+        return turns, list(windows)
+
+    native, native_windows = three_turns("1")
+    pure, pure_windows = three_turns("0")
+    assert native_windows == [128] * 3 and pure_windows == [32, 64, 128]
     for ours, reference in zip(native, pure):
         assert ours.tokens == reference.tokens
         for a, b in zip(ours.logprobs, reference.logprobs):

@@ -1,11 +1,14 @@
 """Prefill: length-sorted parts and chunks cost fewer positions and leave the same caches and samples as one block."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from agentgym_jax import hf, prefill, sharding
 from agentgym_jax.buckets import bucket
+from agentgym_jax.model import KVCache
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from tests.tiny_models import make_hf_model
 
@@ -50,8 +53,8 @@ def model(model_dir):
 def _two_turns(model, call_cost: int, sampling: SamplingParams, chunk: int = 0, mesh=None):
     sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_call_cost=call_cost, prefill_chunk=chunk,
                                            window_buckets=(64, 128)), mesh=mesh)
-    put, parts = sampler._put_rows, []
-    sampler._put_rows = lambda state, part, rows: parts.append(len(rows)) or put(state, part, rows)
+    prefill_part, parts = sampler._prefill_part, []
+    sampler._prefill_part = lambda state, part, rows: parts.append(len(part)) or prefill_part(state, part, rows)
     rs = np.random.RandomState(0)
     prompts = [rs.randint(3, 200, n).tolist() for n in (70, 3, 9, 2, 40)]
     state = sampler.new_state(8)
@@ -85,9 +88,9 @@ def test_rows_without_tokens_are_not_computed(model):
     results = []
     for call_cost in (1, 0):
         sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_call_cost=call_cost, prefill_chunk=0))
-        put, parts = sampler._put_rows, []
-        sampler._put_rows = lambda state, part, rows, put=put, parts=parts: parts.append(len(rows)) or put(
-            state, part, rows)
+        prefill_part, parts = sampler._prefill_part, []
+        sampler._prefill_part = lambda state, part, rows, call=prefill_part, parts=parts: parts.append(
+            len(part)) or call(state, part, rows)
         rs = np.random.RandomState(1)
         prompts = [rs.randint(3, 200, 30).tolist() for _ in range(8)]
         state = sampler.new_state(8)
@@ -100,6 +103,32 @@ def test_rows_without_tokens_are_not_computed(model):
     assert split_parts == [2] and whole_parts == []
     assert split.tokens == whole.tokens
     np.testing.assert_array_equal(split_lengths, whole_lengths)
+
+
+def test_a_part_copies_out_and_back_only_the_slots_its_rows_reach(model):
+    """take_rows_program gives the first slots of the chosen rows (an out-of-range index: an empty row);
+    put_rows_program writes them back over those slots only, leaving every other slot and row as it was."""
+    rs = np.random.RandomState(2)
+    full = KVCache.zeros(model.config, 4, 32)
+    full = dataclasses.replace(full, keys=[jax.numpy.asarray(rs.randn(*k.shape), k.dtype) for k in full.keys],
+                               values=[jax.numpy.asarray(rs.randn(*v.shape), v.dtype) for v in full.values],
+                               lengths=jax.numpy.asarray([5, 9, 3, 7], jax.numpy.int32))
+    before = jax.device_get(full)
+    index = jax.numpy.asarray([2, 0, 4], jax.numpy.int32)
+    part = prefill.take_rows_program(full, index, window=8)
+    assert part.capacity == 8 and part.lengths.tolist() == [3, 5, 0]
+    np.testing.assert_array_equal(part.keys[1][:2], before.keys[1][[2, 0]][..., :8])
+    np.testing.assert_array_equal(part.values[1][:2], before.values[1][[2, 0], :, :8])
+    assert not np.any(np.asarray(part.keys[1][2])) and not np.any(np.asarray(part.values[0][2]))
+    written = dataclasses.replace(part, keys=[k + 1 for k in part.keys], values=[v - 1 for v in part.values],
+                                  lengths=part.lengths + 2)
+    after = jax.device_get(prefill.put_rows_program(full, written, index))
+    expected_keys, expected_values = before.keys[1].copy(), before.values[1].copy()
+    expected_keys[[2, 0], ..., :8] += 1
+    expected_values[[2, 0], :, :8] -= 1
+    np.testing.assert_array_equal(after.keys[1], expected_keys)
+    np.testing.assert_array_equal(after.values[1], expected_values)
+    assert after.lengths.tolist() == [7, 9, 5, 7]
 
 
 def test_chunked_prefill_gives_the_samples_and_caches_of_one_block(model):
