@@ -213,15 +213,19 @@ class Sampler:
         lengths[no_room] = 0
         heads = np.maximum(lengths - 1, 0)
         in_call = batch * self._token_bucket(int(lengths.max(initial=0)))  # the prompt part of one program
-        if heads.any() and self._prefill_plan(heads, batch)[0] + self.config.prefill_call_cost + batch < in_call:
+        native = decodes_natively(state.cache.dtype)
+        if heads.any() and (native or self._prefill_plan(heads, batch)[0] + self.config.prefill_call_cost + batch
+                            < in_call):
             # all but each row's last token in length-sorted parts; the call below then brings one token a row
+            # (with the native decode attention always: that call then needs no window, and its program is the
+            # same for every prompt length and window, see below; prefill programs take power-of-two windows)
             state = self.prefill(state, [ids[: heads[b]] if lengths[b] else None for b, ids in enumerate(rows)])
             rows = [ids[heads[b]:] if lengths[b] else [] for b, ids in enumerate(rows)]
             lengths = np.minimum(lengths, 1)
         token_array = self._right_padded(rows, lengths)
         remaining = [p.max_new_tokens - int(d) for p, d in zip(per_row, drawn)]
         max_new = bucket(max(remaining), self.config.new_token_buckets)
-        if token_array.shape[1] == 1 and decodes_natively(state.cache.dtype):
+        if token_array.shape[1] == 1 and native:
             # every position is a decode step, whose native attention reads each row's own slots: a window would
             # only copy the cache out and back, and build a program per window bucket
             window = self.config.cache_length

@@ -66,10 +66,10 @@ def test_sampler_uses_the_kernel_and_generates_what_the_pure_jax_path_does(tmp_p
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_one_token_calls_read_the_whole_cache_with_the_kernel(tmp_path_factory, monkeypatch):
-    """With the kernel, a call whose rows bring one token each is decode steps only: it runs over the whole
-    cache (no window copied out and back; one program whatever the rows reach), with the samples of the
-    windowed pure-JAX calls."""
+def test_generate_reads_the_whole_cache_with_the_kernel(tmp_path_factory, monkeypatch):
+    """With the kernel, a call's new tokens but each row's last are prefilled first, and the generate program,
+    then decode steps only, runs over the whole cache (no window copied out and back; one program whatever the
+    prompts' lengths and the rows' reach), with the samples of the windowed pure-JAX calls."""
     _, model, _ = _pair("qwen2-gqa-untied", tmp_path_factory)
     windows = []
     program = sampling._generate_program
@@ -82,8 +82,7 @@ def test_one_token_calls_read_the_whole_cache_with_the_kernel(tmp_path_factory, 
         sampler = Sampler(model, SamplerConfig(cache_length=128, window_buckets=(32, 64)))
         state, turns = sampler.new_state(2), []
         for turn in range(3):  # the rows reach 32, 64 and 96 slots
-            state = sampler.prefill(state, [[7 + turn] * 20, [9] * 25])
-            state, out = sampler.generate(state, [[5], [6]], jax.random.PRNGKey(turn),
+            state, out = sampler.generate(state, [[7 + turn] * 20 + [5], [9] * 25 + [6]], jax.random.PRNGKey(turn),
                                           SamplingParams(temperature=1.0, max_new_tokens=6))
             turns.append(out)
         return turns, list(windows)
