@@ -213,7 +213,8 @@ class Sampler:
         lengths[no_room] = 0
         heads = np.maximum(lengths - 1, 0)
         in_call = batch * self._token_bucket(int(lengths.max(initial=0)))  # the prompt part of one program
-        native = decodes_natively(state.cache.dtype)
+        with sharding.use_mesh(self.mesh):  # the kernel runs outside meshes of several devices
+            native = decodes_natively(state.cache.dtype)
         if heads.any() and (native or self._prefill_plan(heads, batch)[0] + self.config.prefill_call_cost + batch
                             < in_call):
             # all but each row's last token in length-sorted parts; the call below then brings one token a row

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentgym_jax import attention, native_kernels, sampling
+from agentgym_jax import attention, hf, native_kernels, sampling, sharding
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from tests.test_sampling import PROMPTS, _pair
@@ -70,16 +70,17 @@ def test_generate_reads_the_whole_cache_with_the_kernel(tmp_path_factory, monkey
     """With the kernel, a call's new tokens but each row's last are prefilled first, and the generate program,
     then decode steps only, runs over the whole cache (no window copied out and back; one program whatever the
     prompts' lengths and the rows' reach), with the samples of the windowed pure-JAX calls."""
-    _, model, _ = _pair("qwen2-gqa-untied", tmp_path_factory)
+    _, model, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
     windows = []
     program = sampling._generate_program
     monkeypatch.setattr(sampling, "_generate_program", lambda *a, **k: windows.append(k["window"]) or program(*a, **k))
 
-    def three_turns(setting):
+    def three_turns(setting, mesh=None):
         monkeypatch.setenv(native_kernels.ENV_VAR, setting)
         jax.clear_caches()
         windows.clear()
-        sampler = Sampler(model, SamplerConfig(cache_length=128, window_buckets=(32, 64)))
+        sampler = Sampler(hf.load_model(model_dir, mesh=mesh) if mesh else model,
+                          SamplerConfig(cache_length=128, window_buckets=(32, 64)), mesh=mesh)
         state, turns = sampler.new_state(2), []
         for turn in range(3):  # the rows reach 32, 64 and 96 slots
             state, out = sampler.generate(state, [[7 + turn] * 20 + [5], [9] * 25 + [6]], jax.random.PRNGKey(turn),
@@ -90,6 +91,10 @@ def test_generate_reads_the_whole_cache_with_the_kernel(tmp_path_factory, monkey
     native, native_windows = three_turns("1")
     pure, pure_windows = three_turns("0")
     assert native_windows == [128] * 3 and pure_windows == [32, 64, 128]
+    # on a mesh of several devices the kernel does not run: the calls keep their windows
+    sharded, sharded_windows = three_turns("1", sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2]))
+    assert sharded_windows == [32, 64, 128]
+    assert [turn.tokens for turn in sharded] == [turn.tokens for turn in pure]
     for ours, reference in zip(native, pure):
         assert ours.tokens == reference.tokens
         for a, b in zip(ours.logprobs, reference.logprobs):
