@@ -34,7 +34,8 @@ def play_continuous(turns: EpisodeTurns, trajectories: list[Trajectory], episode
     rows = min(turns.config.max_rows or len(trajectories), len(trajectories))
     halves = 2 if turns.config.async_env_steps and rows > 1 else 1
     size = -(-rows // halves)  # row r is row r % size of states[r // size]: each half's episodes span the workers
-    states = [sampler.new_state(min(size, rows - h * size)) for h in range(halves)]
+    with turns.sampler_work():
+        states = [sampler.new_state(min(size, rows - h * size)) for h in range(halves)]
     queue = collections.deque(range(len(trajectories)))
     free_rows = list(range(rows))
     row_of: dict[int, int] = {}  # playing episode -> its row
@@ -71,9 +72,11 @@ def play_continuous(turns: EpisodeTurns, trajectories: list[Trajectory], episode
         task = lambda i: (trajectories[i].task_id, trajectories[i].subtask)
         opened_by_half = [[(i, row, ids) for (i, row), ids in zip(admitted, prompts)
                            if ids is not None and row // size == h] for h in range(halves)]
-        opening.find_opening(sampler, [ids for ids in prompts if ids is not None])  # one half may hold one task
-        for h, opened in enumerate(opened_by_half):
-            if opened:
+        with turns.sampler_work():
+            opening.find_opening(sampler, [ids for ids in prompts if ids is not None])  # a half may hold one task
+            for h, opened in enumerate(opened_by_half):
+                if not opened:
+                    continue
                 states[h] = sampler.clear_rows(states[h], [row % size for _, row, _ in opened])
                 # a task's prompt is kept while its samples still queue, or open in the other half after this one
                 waiting = {task(j) for j in queue} | {task(i) for rest in opened_by_half[h + 1:] for i, _, _ in rest}
@@ -113,8 +116,9 @@ def play_continuous(turns: EpisodeTurns, trajectories: list[Trajectory], episode
             elif actions:
                 release(turns.apply_answers(trajectories, turns.step(actions), sampled, pending))
             if not queue:  # nothing left to admit: the rows of ended episodes only cost the calls their reads
-                for h in range(halves):
-                    states[h] = _compact(turns, states[h], row_of, h, size)
+                with turns.sampler_work():
+                    for h in range(halves):
+                        states[h] = _compact(turns, states[h], row_of, h, size)
             half = (half + 1) % halves
             round_index += 1
             if progress is not None:

@@ -6,8 +6,9 @@ next prompt, or ends (``done``, ``horizon``, ``budget`` or ``env_error``)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -66,13 +67,22 @@ class EpisodeTurns:
         c = self.config
         return SamplingParams(c.temperature, c.top_p, c.top_k, min(c.max_turn_tokens, room))
 
+    @contextlib.contextmanager
+    def sampler_work(self) -> Iterator[None]:
+        """Counts the block's time as sampler time (``stats.sampling_s``): generate calls, and the prefills, forks
+        and row moves of shared prompts and compaction, which would otherwise count as host work."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.sampling_s += time.perf_counter() - t0
+
     def generate(self, state: Any, rows: list[list[int] | None], params: list[SamplingParams],
                  keys: jax.Array, turns: np.ndarray, stop_after: int = 0) -> tuple[Any, Any]:
         """One sampler call; row ``r`` draws from ``keys[r]`` folded with its episode's turn ``turns[r]``."""
-        t0 = time.perf_counter()
-        state, result = self.sampler.generate(state, rows, keys[0], params, row_keys=turn_keys(keys, turns),
-                                              stop_after=stop_after)
-        self.stats.sampling_s += time.perf_counter() - t0
+        with self.sampler_work():
+            state, result = self.sampler.generate(state, rows, keys[0], params, row_keys=turn_keys(keys, turns),
+                                                  stop_after=stop_after)
         self.stats.rounds += 1
         return state, result
 

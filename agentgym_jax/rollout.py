@@ -72,14 +72,16 @@ def _play_lockstep(turns: EpisodeTurns, trajectories: list[Trajectory], episode_
     from the sampler batch when few remain; the samples of a task share one prefill of their prompt."""
     sampler = turns.sampler
     pending = {i: ids for i, ids in enumerate(turns.reset(trajectories)) if ids is not None}
-    state, cached = prefill_shared_prompts(sampler, pending, len(trajectories))
+    with turns.sampler_work():
+        state, cached = prefill_shared_prompts(sampler, pending, len(trajectories))
     row_of = {index: index for index in range(len(trajectories))}  # trajectory -> sampler row
     for round_index in range(turns.horizon):
         active = [i for i in pending if not trajectories[i].end_reason and turns.fits(trajectories[i], pending[i])]
         if not active:
             break
         if turns.compacts(state, len(active)):
-            state = sampler.select_rows(state, [row_of[i] for i in active])
+            with turns.sampler_work():
+                state = sampler.select_rows(state, [row_of[i] for i in active])
             row_of = {i: row for row, i in enumerate(active)}
         state, _ = turns.play_round(state, trajectories, active, row_of, pending, cached, episode_keys)
         if progress is not None:

@@ -101,7 +101,7 @@ class Trajectory:
 class RolloutStats:
     """Timing and counts of one rollout."""
 
-    sampling_s: float = 0.0
+    sampling_s: float = 0.0  # sampler work: generate calls, and prefills, forks and row moves of prompts and rows
     env_s: float = 0.0
     host_s: float = 0.0
     generated_tokens: int = 0

@@ -245,3 +245,30 @@ def test_async_env_steps_run_while_the_sampler_generates(trainer, monkeypatch, a
         assert stats.env_s < stepped  # the loop waited for less than the environments took
     else:
         assert len(samples) == 3 and set(batch_sizes) == {8} and not any(overlapping)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_prompt_prefills_outside_generate_calls_count_as_sampling(trainer, continuous, monkeypatch):
+    """The prefills, forks and row moves of shared prompts run outside generate calls; they are sampler work: a
+    slowed prefill there shows in ``stats.sampling_s``, not in ``host_s``."""
+    sampler, inside, slept = trainer.sampler, [], []
+    generate, prefill = sampler.generate, sampler.prefill
+
+    def timed_generate(*args, **kwargs):
+        inside.append(True)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def slow_prefill(*args, **kwargs):
+        if not inside:
+            time.sleep(0.3)
+            slept.append(0.3)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(sampler, "generate", timed_generate)
+    monkeypatch.setattr(sampler, "prefill", slow_prefill)
+    _, stats = _play(trainer, trainer.train_tasks[:4], True, continuous=continuous, max_rows=8)
+    assert slept, "no prompt was prefilled outside a generate call"
+    assert stats.sampling_s > sum(slept) > stats.host_s, (stats, sum(slept))
