@@ -359,8 +359,7 @@ class Sampler:
         those rows reach after it (a window bucket) are copied out, and written back in place."""
         lengths = np.array([len(ids) for ids in rows], np.int64)
         window = self.window(state.lengths[list(part)], lengths, [0] * len(part), powers_of_two=True)
-        index = np.full((self.batch_bucket(len(part)),), state.batch_size, np.int32)  # out of range: an empty row
-        index[: len(part)] = part
+        index = self._padded_rows(part, state.batch_size)
         with sharding.use_mesh(self.mesh):
             block = SamplerState(cache=prefill.take_rows_program(state.cache, jnp.asarray(index), window=window),
                                  lengths=np.append(state.lengths[list(part)], [0] * (len(index) - len(part))))
@@ -423,16 +422,20 @@ class Sampler:
     def select_rows(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """Keeps only ``rows`` (e.g. drops finished episodes), compacting into a smaller batch bucket; a row
         listed twice is copied (forking a shared prompt into several episodes)."""
-        padded = self.batch_bucket(len(rows))
-        index = np.zeros((padded,), np.int32)
-        index[: len(rows)] = rows
-        keep = np.zeros((padded,), bool)
-        keep[: len(rows)] = True
+        index = self._padded_rows(rows, state.batch_size)
+        keep = index < state.batch_size
         with sharding.use_mesh(self.mesh):
-            cache = _select_rows_program(state.cache, jnp.asarray(index), jnp.asarray(keep))
-        lengths = np.where(keep, state.lengths[index], 0)
+            cache = prefill.take_rows_program(state.cache, jnp.asarray(index), window=state.cache.capacity)
+        lengths = np.append(state.lengths[list(rows)], [0] * (len(index) - len(rows)))
         return SamplerState(cache=cache, lengths=lengths, partial=moved(state.partial, index, keep),
                             unfed=moved(state.unfed, index, keep))
+
+    def _padded_rows(self, rows: Sequence[int], batch: int) -> np.ndarray:
+        """``rows`` padded to their batch bucket with ``batch`` (out of range: an empty row when gathered,
+        skipped when written back)."""
+        index = np.full((self.batch_bucket(len(rows)),), batch, np.int32)
+        index[: len(rows)] = rows
+        return index
 
 
 def _with_unfed(state: SamplerState, new_tokens: Sequence[Sequence[int] | None]
@@ -465,12 +468,3 @@ def _clear_rows_program(cache: KVCache, clear: jax.Array) -> KVCache:
 def _empty_cache_program(config: Any, batch: int, length: int, dtype: Any) -> KVCache:
     # Module-level so repeated rollouts of the same shape reuse one compiled program.
     return KVCache.zeros(config, batch, length, dtype)
-
-
-@jax.jit
-def _select_rows_program(cache: KVCache, index: jax.Array, keep: jax.Array) -> KVCache:
-    take = lambda x: sharding.constrain(jnp.take(x, index, axis=0), "kv_cache")
-    return dataclasses.replace(
-        cache, keys=[take(k) for k in cache.keys], values=[take(v) for v in cache.values],
-        lengths=jnp.where(keep, jnp.take(cache.lengths, index), 0),
-    )
