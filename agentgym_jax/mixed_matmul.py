@@ -6,6 +6,10 @@ entirely in fp32. On a GPU that meant TF32 GEMMs for two thirds of a train step'
 of inputs and weights; 43% of an H200 step's GPU time, ``benchmarks/gpu_check``). :func:`mixed_dot` casts the
 cotangent to the operands' dtype first, as mixed-precision training does in torch's autocast, so both backward
 products are bf16 x bf16 with fp32 accumulation. With fp32 operands nothing changes.
+
+On CPUs with AMX, a bf16 product of at most 16 rows (a decode step's projections) runs
+:func:`native_kernels.amx_matmul` instead of XLA's dot (:func:`native_kernels.amx_matmul_applies`); its gradients
+stay XLA products.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentgym_jax import native_kernels
+
 
 def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
     """fp32 ``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis."""
+    if native_kernels.amx_matmul_applies(x, w, transposed):
+        return native_kernels.amx_matmul(x, w, transposed)
     w_axis = 1 if transposed else 0
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())), preferred_element_type=jnp.float32)
 

@@ -1,12 +1,15 @@
 """Native CPU kernels: C++ XLA FFI custom calls for the steps XLA's CPU backend runs far from the hardware's limits.
 
-One kernel so far, :func:`decode_attention` (``native/decode_attention.cc``): a decode step's attention over the
-KV cache. XLA's lowering of :func:`attention.attend_one_query` copied a bf16 cache out as fp32 for every layer and
-step and read every slot of the window; the kernel reads each entry once and only each row's own slots (a decode
-step at batch 32 in bf16: 99 -> 82 ms on a 2-core Xeon, ``benchmarks/sampler.py``).
+- :func:`decode_attention` (``native/decode_attention.cc``): a decode step's attention over the KV cache. XLA's
+  lowering of :func:`attention.attend_one_query` copied a bf16 cache out as fp32 for every layer and step and read
+  every slot of the window; the kernel reads each entry once and only each row's own slots (a decode step at batch
+  32 in bf16: 99 -> 82 ms on a 2-core Xeon, ``benchmarks/sampler.py``).
+- :func:`amx_matmul` (``native/amx_matmul.cc``): bf16 projections of at most 16 rows (decode steps) on Intel AMX
+  tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and a
+  kernel that grants it).
 
-The source is compiled on first use with the system's C++ compiler (``$CXX``, default ``g++``; ``make setup``
-installs it and builds the kernel) into ``<cache>/native`` (``$AGENTGYM_JAX_CACHE``), one file per source,
+Each source is compiled on first use with the system's C++ compiler (``$CXX``, default ``g++``; ``make setup``
+installs it and builds the kernels) into ``<cache>/native`` (``$AGENTGYM_JAX_CACHE``), one file per source,
 compiler, jaxlib and CPU, and registered with XLA. On other backends, and under a mesh of several devices (the
 kernels do not split across devices), the model keeps its pure-JAX path.
 ``AGENTGYM_JAX_NATIVE_KERNELS=0`` keeps the pure-JAX path on CPU too.
@@ -15,7 +18,9 @@ kernels do not split across devices), the model keeps its pure-JAX path.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -33,11 +38,32 @@ from agentgym_jax.default_model import cache_root
 from agentgym_jax.errors import ConfigError
 
 ENV_VAR = "AGENTGYM_JAX_NATIVE_KERNELS"
-SOURCE = Path(__file__).with_name("native") / "decode_attention.cc"
-TARGET = "agentgym_decode_attention"
+NATIVE_DIR = Path(__file__).with_name("native")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+AMX_MAX_ROWS = 16  # rows of x per AMX tile: amx_matmul takes decode-sized products only
+AMX_BLOCK = 32  # amx_matmul's K and N must be multiples of this
 
-_registered = False
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel library: its source, extra compiler flags, exported handler symbol and XLA target name."""
+
+    name: str
+    symbol: str
+    target: str
+    flags: tuple[str, ...] = ()
+
+    @property
+    def source(self) -> Path:
+        return NATIVE_DIR / f"{self.name}.cc"
+
+
+DECODE_ATTENTION = Kernel("decode_attention", "AgentgymDecodeAttention", "agentgym_decode_attention")
+AMX_MATMUL = Kernel("amx_matmul", "AgentgymAmxMatmul", "agentgym_amx_matmul", ("-mamx-tile", "-mamx-bf16"))
+TARGET = DECODE_ATTENTION.target
+SHARED_HEADERS = (NATIVE_DIR / "parallel.h",)
+
+_registered: set[str] = set()
 
 
 def enabled() -> bool:
@@ -49,31 +75,36 @@ def enabled() -> bool:
     return setting == "1" and jax.default_backend() == "cpu" and sharding.active_mesh_size() == 1
 
 
+def _cpu_flags() -> str:
+    """The instruction-set flags line of ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
 def _cpu_signature() -> str:
     """What a ``-march=native`` build depends on: the machine and its instruction-set flags."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
+    return platform.machine() + _cpu_flags()
 
 
-def library_path() -> Path:
-    """Where the built kernel library lives in the cache (it may not exist yet)."""
+def library_path(kernel: Kernel = DECODE_ATTENTION) -> Path:
+    """Where ``kernel``'s built library lives in the cache (it may not exist yet)."""
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), os.environ.get("CXX", "g++").encode(), " ".join(FLAGS).encode(),
+    for part in (kernel.source.read_bytes(), *(h.read_bytes() for h in SHARED_HEADERS),
+                 os.environ.get("CXX", "g++").encode(), " ".join(FLAGS + kernel.flags).encode(),
                  jaxlib.__version__.encode(), _cpu_signature().encode()):
         key.update(part)
-    return cache_root() / "native" / f"decode_attention-{key.hexdigest()[:16]}.so"
+    return cache_root() / "native" / f"{kernel.name}-{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """Compiles the kernel library into the cache unless it is there; returns its path. Several processes may
+def build(kernel: Kernel = DECODE_ATTENTION) -> Path:
+    """Compiles ``kernel``'s library into the cache unless it is there; returns its path. Several processes may
     call this at once: one builds (under a file lock), into a temporary file moved into place."""
-    target = library_path()
+    target = library_path(kernel)
     if target.exists():
         return target
     compiler = os.environ.get("CXX", "g++")
@@ -89,7 +120,8 @@ def build() -> Path:
             return target
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)]
+            command = [compiler, *FLAGS, *kernel.flags, "-isystem", jax.ffi.include_dir(), str(kernel.source), "-o",
+                       str(built)]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise ConfigError(
@@ -99,12 +131,45 @@ def build() -> Path:
     return target
 
 
-def _register() -> None:
-    global _registered
-    if not _registered:
-        library = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.AgentgymDecodeAttention), platform="cpu")
-        _registered = True
+@functools.cache
+def _library(kernel: Kernel) -> ctypes.CDLL:
+    return ctypes.cdll.LoadLibrary(str(build(kernel)))
+
+
+def _register(kernel: Kernel = DECODE_ATTENTION) -> None:
+    if kernel.target not in _registered:
+        handler = getattr(_library(kernel), kernel.symbol)
+        jax.ffi.register_ffi_target(kernel.target, jax.ffi.pycapsule(handler), platform="cpu")
+        _registered.add(kernel.target)
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether this CPU has AMX bf16 tiles and the OS grants them to this process (builds the kernel if so)."""
+    flags = _cpu_flags().split()
+    if "amx_bf16" not in flags or "amx_tile" not in flags:
+        return False
+    return bool(_library(AMX_MATMUL).AgentgymAmxReady())
+
+
+def amx_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
+    """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
+    :func:`amx_matmul` in a program traced now: bf16 operands, at most :data:`AMX_MAX_ROWS` rows, K and N multiples
+    of :data:`AMX_BLOCK`, native kernels enabled (:func:`enabled`) on a CPU with AMX (:func:`amx_available`)."""
+    rows = int(np.prod(x.shape[:-1]))
+    outputs = w.shape[0] if transposed else w.shape[-1]
+    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and w.ndim == 2 and 1 <= rows <= AMX_MAX_ROWS
+            and x.shape[-1] % AMX_BLOCK == 0 and outputs % AMX_BLOCK == 0 and enabled() and amx_available())
+
+
+def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis for bf16 ``x`` [..., K] (at most 16 rows)
+    and ``w`` [K, N] ([N, K]), accumulated and returned in fp32 (the conditions: :func:`amx_matmul_applies`)."""
+    _register(AMX_MATMUL)
+    rows = x.reshape(-1, x.shape[-1])
+    outputs = w.shape[0] if transposed else w.shape[1]
+    call = jax.ffi.ffi_call(AMX_MATMUL.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
+    return call(rows, w, transposed=transposed).reshape(*x.shape[:-1], outputs)
 
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, limits: jax.Array, scale: float) -> jax.Array:
@@ -120,5 +185,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, limits: j
     return out[:, None].astype(q.dtype)
 
 
-if __name__ == "__main__":  # `make setup`: build (or find) the library once
-    print(build())
+if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
+    print(build(DECODE_ATTENTION))
+    if amx_available():
+        print(build(AMX_MATMUL))

@@ -3,7 +3,8 @@
 Measures generated tokens/s (end to end: prefill + 64 greedy tokens, no early stop) at batch 1, 8 and 32 with
 ~200-token prompts, fp32 and bf16 for both; compile time apart from steady state; decode step time beside its
 roofline (the larger of the memory-bandwidth bound and the compute bound at the measured matmul peak), and with
-the pure-JAX attention in place of the native decode kernel (``agentgym_jax/native_kernels.py``); a
+the pure-JAX steps in place of the native kernels (``agentgym_jax/native_kernels.py``: all of them off, and the
+AMX projections alone off); a
 multi-turn rollout with KV-cache extend vs re-prefilling the history each turn; which matmul paths XLA and
 torch take on this CPU; peak RSS. Ours and torch are timed interleaved (the machine
 is shared), medians of the repeats. Writes ``benchmarks/results/sampler.json``.
@@ -13,13 +14,14 @@ Usage: python -m benchmarks.sampler [--repeats=3] [--repeats_b32=2] [--multiturn
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -153,31 +155,51 @@ def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: f
                    **decode_bound(ours[dtype].config, dtype, batch, PROMPT_TOKENS + NEW_TOKENS / 2, bandwidth,
                                 peaks[dtype]))
         row["decode_vs_bound"] = step_ms / row["bound_step_ms"]
-        # the same decode steps with the pure-JAX attention (the native kernel off; prefill does not use it)
-        pure_s = _pure_jax_seconds(ours[dtype], sampler.config, prompts)
-        row.update(ours_seconds_pure_jax_attention=pure_s,
-                   ours_decode_step_ms_pure_jax_attention=1000 * (pure_s - prefill) / (NEW_TOKENS - 1))
+        # the same calls with XLA's dots in place of the AMX projections, and with every native kernel off
+        for name, switch in (("xla_dots", _without_amx), ("pure_jax", _without_native_kernels)):
+            with switch():
+                seconds = _fresh_seconds(ours[dtype], sampler.config, prompts)
+            row.update({f"ours_seconds_{name}": seconds,
+                        f"ours_decode_step_ms_{name}": 1000 * (seconds - prefill) / (NEW_TOKENS - 1)})
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("runs")},
               flush=True)
         rows.append(row)
     return rows
 
 
-def _pure_jax_seconds(model: Any, config: SamplerConfig, prompts: list[list[int]]) -> float:
-    """Median seconds of a generate call with ``AGENTGYM_JAX_NATIVE_KERNELS=0`` (programs traced anew, and again
-    afterwards with the kernels back on)."""
+@contextlib.contextmanager
+def _without_native_kernels() -> Iterator[None]:
+    """``AGENTGYM_JAX_NATIVE_KERNELS=0`` inside, the previous setting restored after."""
     previous = os.environ.get(native_kernels.ENV_VAR)
     os.environ[native_kernels.ENV_VAR] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(native_kernels.ENV_VAR)
+        else:
+            os.environ[native_kernels.ENV_VAR] = previous
+
+
+@contextlib.contextmanager
+def _without_amx() -> Iterator[None]:
+    """Programs traced inside take XLA's dots for the projections (the decode attention kernel stays)."""
+    available = native_kernels.amx_available
+    native_kernels.amx_available = lambda: False
+    try:
+        yield
+    finally:
+        native_kernels.amx_available = available
+
+
+def _fresh_seconds(model: Any, config: SamplerConfig, prompts: list[list[int]]) -> float:
+    """Median seconds of a generate call on programs traced anew (caches cleared before and after)."""
     try:
         jax.clear_caches()
         sampler = Sampler(model, config)
         _ours_run(sampler, prompts, NEW_TOKENS)  # builds the programs
         return common.median([_ours_run(sampler, prompts, NEW_TOKENS) for _ in range(2)])
     finally:
-        if previous is None:
-            os.environ.pop(native_kernels.ENV_VAR)
-        else:
-            os.environ[native_kernels.ENV_VAR] = previous
         jax.clear_caches()
 
 
@@ -252,9 +274,11 @@ def main(argv: Sequence[str]) -> None:
         ratio_b8=best_ratio(8), ratio_b32=best_ratio(32), multiturn_ratio=multiturn["ratio"],
         ratio_b1=best_ratio(1),
         decode_vs_bound={f"b{r['batch']}_{r['dtype']}": r["decode_vs_bound"] for r in table},
-        native_attention_decode_speedup={
-            f"b{r['batch']}_{r['dtype']}": r["ours_decode_step_ms_pure_jax_attention"] / r["ours_decode_step_ms"]
-            for r in table},
+        native_kernels_decode_speedup={
+            f"b{r['batch']}_{r['dtype']}": r["ours_decode_step_ms_pure_jax"] / r["ours_decode_step_ms"] for r in table},
+        amx_projections_decode_speedup={
+            f"b{r['batch']}_{r['dtype']}": r["ours_decode_step_ms_xla_dots"] / r["ours_decode_step_ms"] for r in table},
+        amx_available=native_kernels.amx_available(),
         definition=("tokens/s = batch x 64 generated tokens / wall seconds of one generate call (prefill of the "
                     "~200-token prompts included, greedy, no early stop); ratios use each side's best dtype; "
                     "multiturn_ratio = re-prefill seconds / extend seconds"),

@@ -1,13 +1,16 @@
-"""The native CPU decode-attention kernel: equal to the pure-JAX step it replaces, used by the sampler, and clear
-errors when it cannot be built."""
+"""The native CPU kernels (decode attention; AMX projections of few rows): equal to the pure-JAX steps they
+replace, used by the sampler, and clear errors when they cannot be built."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from agentgym_jax import attention, hf, native_kernels, sampling, sharding
 from agentgym_jax.errors import ConfigError
+from agentgym_jax.mixed_matmul import mixed_dot
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from tests.test_sampling import PROMPTS, _pair
 
@@ -113,3 +116,72 @@ def test_unknown_setting_and_missing_compiler_are_clear_errors(tmp_path, monkeyp
     with pytest.raises(ConfigError, match="AGENTGYM_JAX_NATIVE_KERNELS=0"):
         native_kernels.build()
     assert not (tmp_path / "native").exists() or not any((tmp_path / "native").glob("*.so"))
+
+
+needs_amx = pytest.mark.skipif(not native_kernels.amx_available(), reason="this CPU has no AMX bf16 tiles")
+
+
+@needs_amx
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows,k,n", [(1, 32, 32), (5, 576, 192), (16, 64, 96), (3, 1536, 64)])
+def test_amx_matmul_equals_the_fp32_accumulated_dot(rows, k, n, transposed):
+    rng = np.random.RandomState(rows + k + n)
+    x = jnp.asarray(rng.randn(rows, k), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(k, n) * 0.1, jnp.bfloat16)
+    stored = w.T if transposed else w  # a tied head keeps [N, K]
+    ours = np.asarray(jax.jit(native_kernels.amx_matmul, static_argnums=2)(x, stored, transposed))
+    expected = np.asarray(jax.lax.dot(x, w, preferred_element_type=jnp.float32))
+    assert ours.dtype == np.float32 and ours.shape == (rows, n)
+    # the products of bf16 numbers are exact in fp32; only the order of the fp32 sums differs
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def _amx_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(native_kernels.AMX_MATMUL.target)
+
+
+@needs_amx
+def test_mixed_dot_takes_the_kernel_for_bf16_products_of_few_rows_only(monkeypatch):
+    monkeypatch.setenv(native_kernels.ENV_VAR, "1")
+    w = jnp.ones((64, 96), jnp.bfloat16)
+    product = lambda x, w: mixed_dot(x, w)  # noqa: E731
+    assert _amx_calls(product, jnp.ones((2, 8, 64), jnp.bfloat16), w) == 1
+    assert _amx_calls(product, jnp.ones((17, 64), jnp.bfloat16), w) == 0  # more rows than a tile holds
+    assert _amx_calls(product, jnp.ones((2, 64), jnp.float32), w.astype(jnp.float32)) == 0
+    assert _amx_calls(lambda x, w: mixed_dot(x, w, transposed=True), jnp.ones((2, 96), jnp.bfloat16), w) == 1
+    assert _amx_calls(product, jnp.ones((2, 48), jnp.bfloat16), jnp.ones((48, 96), jnp.bfloat16)) == 0  # K % 32
+    monkeypatch.setenv(native_kernels.ENV_VAR, "0")
+    jax.clear_caches()
+    assert _amx_calls(product, jnp.ones((2, 64), jnp.bfloat16), w) == 0
+
+    # the gradients stay XLA products: equal with the kernel on and off
+    rng = np.random.RandomState(0)
+    x, w = (jnp.asarray(rng.randn(*shape), jnp.bfloat16) for shape in ((4, 64), (64, 96)))
+    loss = lambda x, w: jnp.sum(mixed_dot(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+    grads = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(native_kernels.ENV_VAR, setting)
+        jax.clear_caches()  # programs are traced again under the setting
+        grads[setting] = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    for ours, reference in zip(grads["1"], grads["0"]):
+        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(reference, np.float32), rtol=2e-2)
+
+
+@needs_amx
+def test_a_bf16_model_runs_its_projections_on_the_kernel_with_the_pure_jax_logits(tmp_path_factory, monkeypatch):
+    _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
+    graphdef, state = nnx.split(hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16"))
+    forward = lambda state, tokens: nnx.merge(graphdef, state)(tokens)  # noqa: E731
+    tokens = jnp.asarray([[5, 9, 17, 33, 2, 8, 100, 7]])
+    logits = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(native_kernels.ENV_VAR, setting)
+        jax.clear_caches()  # programs are traced again under the setting
+        logits[setting] = np.asarray(jax.jit(forward)(state, tokens), np.float32)
+        # 2 layers x (q, k, v, o, gate, up, down) and the untied head, on 8 rows each
+        assert _amx_calls(forward, state, tokens) == (15 if setting == "1" else 0)
+    assert np.abs(logits["1"]).max() > 0.1
+    np.testing.assert_allclose(logits["1"], logits["0"], atol=2e-2 * np.abs(logits["0"]).max())
+    monkeypatch.setenv(native_kernels.ENV_VAR, "1")
+    jax.clear_caches()
+    assert _amx_calls(forward, state, jnp.ones((1, 17), jnp.int32)) == 0  # a prompt of 17 tokens: XLA's dots

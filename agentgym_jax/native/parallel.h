@@ -1,0 +1,54 @@
+// Splitting a custom call's work over XLA's intra-op thread pool; shared by the native kernels.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace agentgym {
+
+// Runs run(begin, end) over [0, items) in chunks on the calling thread and on tasks of XLA's intra-op pool. Each
+// chunk is claimed from an atomic counter, so the caller never waits for a task that has not started (the pool's
+// threads may all be busy, or waiting on calls of their own): it runs every unclaimed chunk itself, then waits
+// only for chunks another thread is running. A task that starts late finds nothing left and returns.
+struct Job {
+  std::atomic<int64_t> next{0};
+  int64_t chunks = 0;
+  int64_t finished = 0;
+  std::mutex mutex;
+  std::condition_variable done;
+  std::function<void(int64_t)> run;
+
+  void Work() {
+    for (int64_t chunk; (chunk = next.fetch_add(1)) < chunks;) {
+      run(chunk);
+      std::lock_guard<std::mutex> lock(mutex);
+      if (++finished == chunks) done.notify_all();
+    }
+  }
+};
+
+template <typename F>
+void Parallel(xla::ffi::ThreadPool& pool, int64_t items, F&& run) {
+  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items);
+  if (workers <= 1) {
+    run(0, items);
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  const int64_t per = (items + workers - 1) / workers;
+  job->chunks = (items + per - 1) / per;
+  job->run = [&run, per, items](int64_t chunk) { run(chunk * per, std::min(items, (chunk + 1) * per)); };
+  for (int64_t w = 1; w < workers; ++w) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  std::unique_lock<std::mutex> lock(job->mutex);
+  job->done.wait(lock, [&] { return job->finished == job->chunks; });
+}
+
+}  // namespace agentgym
