@@ -16,14 +16,18 @@ from tests.test_sampling import PROMPTS, _pair
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_attention_equals_attend_one_query(dtype):
-    rows, kv_heads, groups, head_dim, slots = 5, 2, 3, 32, 40
+@pytest.mark.parametrize("rows,kv_heads,groups,head_dim,slots", [
+    (5, 2, 3, 32, 40),  # SmolLM2's 3 queries per kv head
+    (3, 1, 7, 64, 70),  # 7 queries: a pass of 4 and one of 3 over the keys, two of 4 and 3 over the values
+    (2, 2, 2, 136, 33),  # a head dim that is not a multiple of 16 lanes
+])
+def test_decode_attention_equals_attend_one_query(dtype, rows, kv_heads, groups, head_dim, slots):
     rng = np.random.RandomState(0)
     keys = jnp.asarray(rng.randn(rows, kv_heads, head_dim, slots) * 2, dtype)
     values = jnp.asarray(rng.randn(rows, kv_heads, slots, head_dim), dtype)
     q = jnp.asarray(rng.randn(rows, 1, kv_heads, groups, head_dim), dtype)
     # Past each row's limit the cache holds large entries: reading them would change the output.
-    limits = jnp.asarray([1, 17, 33, slots, slots + 9], jnp.int32)
+    limits = jnp.asarray([1, 17, 33, slots, slots + 9][:rows - 1] + [slots + 9], jnp.int32)
     beyond = jnp.arange(slots) >= limits[:, None, None, None]
     keys = jnp.where(beyond, jnp.asarray(50, dtype), keys)
     values = jnp.where(jnp.swapaxes(beyond, 2, 3), jnp.asarray(-80, dtype), values)

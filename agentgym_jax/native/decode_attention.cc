@@ -3,8 +3,10 @@
 // One query per row attends over the first limits[b] slots of its row's cache: keys [B, K, H, T] and values
 // [B, K, T, H], fp32 or bf16 bits (uint16), the layouts of agentgym_jax.attention. XLA's own lowering of this step
 // copied the bf16 cache out as fp32 for every layer and step and read every slot of the window; this reads each
-// cache entry once, widens it in registers, and stops at each row's own length. Pure-JAX reference:
-// agentgym_jax.attention.attend_one_query (tests/test_native_kernels.py compares the two).
+// cache entry once, widens it in registers, and stops at each row's own length. With AVX-512, a head's queries
+// share each key and value vector loaded, their sums held in registers, and the next head's cache lines are asked
+// for while this one computes. Pure-JAX reference: agentgym_jax.attention.attend_one_query
+// (tests/test_native_kernels.py compares the two).
 
 #include <algorithm>
 #include <cmath>
@@ -69,36 +71,168 @@ inline float SoftmaxNumerators(float* s, int64_t n) {
   return total;
 }
 
-// One (row, kv head): its `groups` queries q [G, H] over keys [H, T] and values [T, H], slots [0, n).
-// scores: scratch of G * n floats; out: [G, H].
-template <typename Raw>
-void AttendHead(const float* q, const Raw* keys, const Raw* values, int64_t groups, int64_t head_dim,
-                int64_t slots, int64_t n, float scale, float* scores, float* out) {
-  std::fill(out, out + groups * head_dim, 0.0f);
-  std::fill(scores, scores + groups * n, 0.0f);
-  for (int64_t h = 0; h < head_dim; ++h) {  // each key row read once for all the group's queries
-    const Raw* row = keys + h * slots;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float qg = q[g * head_dim + h] * scale;
-      float* s = scores + g * n;
-      for (int64_t t = 0; t < n; ++t) s[t] += qg * Widen(row[t]);
-    }
+#ifdef __AVX512F__
+inline __mmask16 Lanes(int64_t left) {  // the first min(left, 16) lanes
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(left, 0)) - 1);
+}
+inline __m512 Load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 Load16(const uint16_t* p, __mmask16 lanes) {  // bf16 bits widened: shifted into the top half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+
+// Walks a strided region (rows of `bytes` bytes, `stride` bytes apart) one cache line per step(), asking for each
+// line ahead of use: the next head's keys and values are read while this head computes (their rows are short and
+// far apart, so the hardware prefetchers start late and a core otherwise waits on each line).
+struct Prefetcher {
+  const char* base = nullptr;
+  int64_t rows = 0, bytes = 0, stride = 0, row = 0, offset = 0;
+
+  void step() {
+    if (row >= rows) return;
+    _mm_prefetch(base + row * stride + offset, _MM_HINT_T0);
+    offset += 64;
+    if (offset >= bytes) offset = 0, ++row;
   }
-  std::vector<float> totals(groups);
-  for (int64_t g = 0; g < groups; ++g) totals[g] = SoftmaxNumerators(scores + g * n, n);
-  for (int64_t t = 0; t < n; ++t) {  // each value row read once for all the group's queries
-    const Raw* row = values + t * head_dim;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float p = scores[g * n + t];
-      float* o = out + g * head_dim;
-      for (int64_t h = 0; h < head_dim; ++h) o[h] += p * Widen(row[h]);
+};
+
+// Scores of `Queries` of a head's queries q [Queries, H] over slots [0, n) of keys [H, T], 32 slots at a time: one
+// register per query and 16 slots, accumulated across the head dimension (each key vector loaded once for all the
+// queries; 2 x Queries independent sums keep the FMA units busy). scores: [Queries, n].
+template <int Queries, typename Raw>
+void Scores(const float* q, const Raw* keys, int64_t head_dim, int64_t slots, int64_t n, float scale, float* scores,
+            Prefetcher& ahead) {
+  for (int64_t t = 0; t < n; t += 32) {
+    const __mmask16 first = Lanes(n - t), second = Lanes(n - t - 16);
+    __m512 acc[Queries][2];
+    for (int g = 0; g < Queries; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < head_dim; ++h) {
+      ahead.step();
+      const __m512 k0 = Load16(keys + h * slots + t, first), k1 = Load16(keys + h * slots + t + 16, second);
+      for (int g = 0; g < Queries; ++g) {
+        const __m512 qg = _mm512_set1_ps(q[g * head_dim + h]);
+        acc[g][0] = _mm512_fmadd_ps(qg, k0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(qg, k1, acc[g][1]);
+      }
     }
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    const float inverse = 1.0f / totals[g];
-    for (int64_t h = 0; h < head_dim; ++h) out[g * head_dim + h] *= inverse;
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int g = 0; g < Queries; ++g) {
+      _mm512_mask_storeu_ps(scores + g * n + t, first, _mm512_mul_ps(acc[g][0], s));
+      _mm512_mask_storeu_ps(scores + g * n + t + 16, second, _mm512_mul_ps(acc[g][1], s));
+    }
   }
 }
+
+// out [Queries, H] = weights [Queries, n] x values [n, H] / totals: each value row loaded once for the queries, the
+// outputs' `Vectors` x 16 lanes per query held in registers across the slots.
+template <int Vectors, int Queries, typename Raw>
+void Mix(const float* weights, const Raw* values, int64_t head_dim, int64_t n, const float* totals, float* out,
+         Prefetcher& ahead) {
+  __m512 sum[Queries][Vectors];
+  __mmask16 lanes[Vectors];
+  for (int v = 0; v < Vectors; ++v) lanes[v] = Lanes(head_dim - 16 * v);
+  for (int g = 0; g < Queries; ++g)
+    for (int v = 0; v < Vectors; ++v) sum[g][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    ahead.step();
+    ahead.step();
+    __m512 row[Vectors];
+    for (int v = 0; v < Vectors; ++v) row[v] = Load16(values + t * head_dim + 16 * v, lanes[v]);
+    for (int g = 0; g < Queries; ++g) {
+      const __m512 p = _mm512_set1_ps(weights[g * n + t]);
+      for (int v = 0; v < Vectors; ++v) sum[g][v] = _mm512_fmadd_ps(p, row[v], sum[g][v]);
+    }
+  }
+  for (int g = 0; g < Queries; ++g) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / totals[g]);
+    for (int v = 0; v < Vectors; ++v)
+      _mm512_mask_storeu_ps(out + g * head_dim + 16 * v, lanes[v], _mm512_mul_ps(sum[g][v], inverse));
+  }
+}
+
+// One (row, kv head): its `groups` queries q [G, H] over keys [H, T] and values [T, H], slots [0, n), with
+// head dims up to 16 x Vectors. scores: scratch of G * n floats; out: [G, H].
+template <int Vectors, typename Raw>
+void AttendHead(const float* q, const Raw* keys, const Raw* values, int64_t groups, int64_t head_dim,
+                int64_t slots, int64_t n, float scale, float* scores, float* out, const Raw* next_keys,
+                const Raw* next_values, int64_t next_n) {
+  const int64_t size = sizeof(Raw);
+  Prefetcher key_lines{reinterpret_cast<const char*>(next_keys), next_keys ? head_dim : 0, next_n * size, slots * size};
+  Prefetcher value_lines{reinterpret_cast<const char*>(next_values), next_values ? 1 : 0, next_n * head_dim * size,
+                         0};
+  for (int64_t g = 0; g < groups; g += 4) {
+    const float* qg = q + g * head_dim;
+    float* sg = scores + g * n;
+    switch (std::min<int64_t>(4, groups - g)) {
+      case 1: Scores<1>(qg, keys, head_dim, slots, n, scale, sg, key_lines); break;
+      case 2: Scores<2>(qg, keys, head_dim, slots, n, scale, sg, key_lines); break;
+      case 3: Scores<3>(qg, keys, head_dim, slots, n, scale, sg, key_lines); break;
+      default: Scores<4>(qg, keys, head_dim, slots, n, scale, sg, key_lines); break;
+    }
+  }
+  // queries per pass over the values: up to 4, at most 16 output registers
+  constexpr int kMix = Vectors <= 4 ? 4 : (Vectors <= 8 ? 2 : 1);
+  float totals[kMix];
+  for (int64_t g = 0; g < groups; g += kMix) {
+    const int64_t count = std::min<int64_t>(kMix, groups - g);
+    for (int64_t i = 0; i < count; ++i) totals[i] = SoftmaxNumerators(scores + (g + i) * n, n);
+    const float* weights = scores + g * n;
+    float* og = out + g * head_dim;
+    switch (count) {
+      case 1: Mix<Vectors, 1>(weights, values, head_dim, n, totals, og, value_lines); break;
+      case 2: Mix<Vectors, (kMix >= 2 ? 2 : 1)>(weights, values, head_dim, n, totals, og, value_lines); break;
+      case 3: Mix<Vectors, (kMix >= 3 ? 3 : 1)>(weights, values, head_dim, n, totals, og, value_lines); break;
+      default: Mix<Vectors, kMix>(weights, values, head_dim, n, totals, og, value_lines); break;
+    }
+  }
+}
+
+template <typename Raw>
+void AttendHeadAnyWidth(const float* q, const Raw* keys, const Raw* values, int64_t groups, int64_t head_dim,
+                        int64_t slots, int64_t n, float scale, float* scores, float* out, const Raw* next_keys,
+                        const Raw* next_values, int64_t next_n) {
+  switch ((head_dim + 15) / 16) {  // head dims up to 256: the output stays in registers
+    case 1: return AttendHead<1>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+    case 2: return AttendHead<2>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+    case 3: return AttendHead<3>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+    case 4: return AttendHead<4>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+    case 5: return AttendHead<5>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+    case 6: return AttendHead<6>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+    case 7: return AttendHead<7>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+    case 8: return AttendHead<8>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+    default: return AttendHead<16>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
+                                      next_values, next_n);
+  }
+}
+#else
+// One (row, kv head): its `groups` queries q [G, H] over keys [H, T] and values [T, H], slots [0, n).
+// scores: scratch of n floats; out: [G, H].
+template <typename Raw>
+void AttendHeadAnyWidth(const float* q, const Raw* keys, const Raw* values, int64_t groups, int64_t head_dim,
+                        int64_t slots, int64_t n, float scale, float* scores, float* out, const Raw* next_keys,
+                        const Raw* next_values, int64_t next_n) {
+  for (int64_t g = 0; g < groups; ++g) {
+    std::fill(scores, scores + n, 0.0f);
+    for (int64_t h = 0; h < head_dim; ++h) {
+      const float qh = q[g * head_dim + h] * scale;
+      for (int64_t t = 0; t < n; ++t) scores[t] += qh * Widen(keys[h * slots + t]);
+    }
+    const float inverse = 1.0f / SoftmaxNumerators(scores, n);
+    float* o = out + g * head_dim;
+    std::fill(o, o + head_dim, 0.0f);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < head_dim; ++h) o[h] += scores[t] * Widen(values[t * head_dim + h]);
+    for (int64_t h = 0; h < head_dim; ++h) o[h] *= inverse;
+  }
+}
+#endif
 
 template <typename Raw>
 void AttendHeads(const float* q, const void* keys, const void* values, const int32_t* limits, int64_t kv_heads,
@@ -108,9 +242,12 @@ void AttendHeads(const float* q, const void* keys, const void* values, const int
   const Raw* v = static_cast<const Raw*>(values);
   std::vector<float> scores(groups * slots);
   for (int64_t i = begin; i < end; ++i) {  // i = row * kv_heads + head
-    const int64_t n = std::clamp<int64_t>(limits[i / kv_heads], 1, slots);
-    AttendHead(q + i * groups * head_dim, k + i * head_dim * slots, v + i * slots * head_dim, groups, head_dim,
-               slots, n, scale, scores.data(), out + i * groups * head_dim);
+    const auto length = [&](int64_t item) { return std::clamp<int64_t>(limits[item / kv_heads], 1, slots); };
+    const bool last = i + 1 == end;  // the next head's cache is read ahead while this one computes
+    AttendHeadAnyWidth(q + i * groups * head_dim, k + i * head_dim * slots, v + i * slots * head_dim, groups,
+                       head_dim, slots, length(i), scale, scores.data(), out + i * groups * head_dim,
+                       last ? nullptr : k + (i + 1) * head_dim * slots, last ? nullptr : v + (i + 1) * slots * head_dim,
+                       last ? 0 : length(i + 1));
   }
 }
 
@@ -128,13 +265,14 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (keys.element_type() != values.element_type() ||
       (keys.element_type() != ffi::F32 && keys.element_type() != ffi::U16))
     return ffi::Error::InvalidArgument("decode_attention: keys and values must both be f32 or both u16 (bf16 bits)");
+  if (head_dim > 256) return ffi::Error::InvalidArgument("decode_attention: head dims up to 256");
   const int64_t groups = q_dims[2];
   const bool bits = keys.element_type() == ffi::U16;
   agentgym::Parallel(pool, rows * kv_heads, [&](int64_t begin, int64_t end) {
     (bits ? AttendHeads<uint16_t> : AttendHeads<float>)(q.typed_data(), keys.untyped_data(), values.untyped_data(),
                                                         limits.typed_data(), kv_heads, groups, head_dim, slots,
                                                         scale, out->typed_data(), begin, end);
-  });
+  }, /*chunks_per_worker=*/8);  // heads take a few microseconds each
   return ffi::Error::Success();
 }
 

@@ -34,15 +34,17 @@ struct Job {
   }
 };
 
+// chunks_per_worker: a pool thread can take tens of microseconds to wake, so with one chunk per worker the calling
+// thread may run every chunk of a short call itself; smaller chunks let a late thread still take its share.
 template <typename F>
-void Parallel(xla::ffi::ThreadPool& pool, int64_t items, F&& run) {
+void Parallel(xla::ffi::ThreadPool& pool, int64_t items, F&& run, int64_t chunks_per_worker = 1) {
   const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items);
   if (workers <= 1) {
     run(0, items);
     return;
   }
   auto job = std::make_shared<Job>();
-  const int64_t per = (items + workers - 1) / workers;
+  const int64_t per = (items + chunks_per_worker * workers - 1) / (chunks_per_worker * workers);
   job->chunks = (items + per - 1) / per;
   job->run = [&run, per, items](int64_t chunk) { run(chunk * per, std::min(items, (chunk + 1) * per)); };
   for (int64_t w = 1; w < workers; ++w) pool.Schedule([job] { job->Work(); });
