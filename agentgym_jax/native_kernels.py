@@ -5,8 +5,8 @@
   every slot of the window; the kernel reads each entry once and only each row's own slots (a decode step at batch
   32 in bf16: 99 -> 82 ms on a 2-core Xeon, ``benchmarks/sampler.py``).
 - :func:`amx_matmul` (``native/amx_matmul.cc``): bf16 projections of at most 16 rows (decode steps) on Intel AMX
-  tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and a
-  kernel that grants it).
+  tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and an
+  OS that grants it).
 
 Each source is compiled on first use with the system's C++ compiler (``$CXX``, default ``g++``; ``make setup``
 installs it and builds the kernels) into ``<cache>/native`` (``$AGENTGYM_JAX_CACHE``), one file per source,
@@ -112,7 +112,7 @@ def build(kernel: Kernel = DECODE_ATTENTION) -> Path:
         raise ConfigError(
             f"the native CPU kernels need a C++ compiler and {compiler!r} was not found: install one "
             f"(`apt-get install g++`; `make setup` does) or point $CXX at it, or set {ENV_VAR}=0 to run the "
-            "pure-JAX attention instead")
+            "pure-JAX paths instead")
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -126,7 +126,7 @@ def build(kernel: Kernel = DECODE_ATTENTION) -> Path:
             if result.returncode != 0:
                 raise ConfigError(
                     f"building the native CPU kernels failed ({' '.join(command)}):\n{result.stderr[-2000:]}\n"
-                    f"Fix the compiler set-up, or set {ENV_VAR}=0 to run the pure-JAX attention instead")
+                    f"Fix the compiler set-up, or set {ENV_VAR}=0 to run the pure-JAX paths instead")
             os.replace(built, target)
     return target
 
