@@ -15,6 +15,12 @@ from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from tests.test_sampling import PROMPTS, _pair
 
 
+def _use_native_kernels(monkeypatch, setting: str) -> None:
+    """``AGENTGYM_JAX_NATIVE_KERNELS=setting`` for programs traced from now on (jit caches cleared)."""
+    monkeypatch.setenv(native_kernels.ENV_VAR, setting)
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,kv_heads,groups,head_dim,slots", [
     (5, 2, 3, 32, 40),  # SmolLM2's 3 queries per kv head
@@ -53,8 +59,7 @@ def test_sampler_uses_the_kernel_and_generates_what_the_pure_jax_path_does(tmp_p
     monkeypatch.setattr(native_kernels, "decode_attention", lambda *args: calls.append(1) or kernel(*args))
 
     def two_turns(setting):
-        monkeypatch.setenv(native_kernels.ENV_VAR, setting)
-        jax.clear_caches()  # programs are traced again under the setting
+        _use_native_kernels(monkeypatch, setting)
         sampler = Sampler(model, SamplerConfig(cache_length=128))
         state = sampler.new_state(len(PROMPTS))
         params = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -83,8 +88,7 @@ def test_generate_reads_the_whole_cache_with_the_kernel(tmp_path_factory, monkey
     monkeypatch.setattr(sampling, "_generate_program", lambda *a, **k: windows.append(k["window"]) or program(*a, **k))
 
     def three_turns(setting, mesh=None):
-        monkeypatch.setenv(native_kernels.ENV_VAR, setting)
-        jax.clear_caches()
+        _use_native_kernels(monkeypatch, setting)
         windows.clear()
         sampler = Sampler(hf.load_model(model_dir, mesh=mesh) if mesh else model,
                           SamplerConfig(cache_length=128, window_buckets=(32, 64)), mesh=mesh)
@@ -146,7 +150,7 @@ def _amx_calls(fn, *args) -> int:
 
 @needs_amx
 def test_mixed_dot_takes_the_kernel_for_bf16_products_of_few_rows_only(monkeypatch):
-    monkeypatch.setenv(native_kernels.ENV_VAR, "1")
+    _use_native_kernels(monkeypatch, "1")
     w = jnp.ones((64, 96), jnp.bfloat16)
     product = lambda x, w: mixed_dot(x, w)  # noqa: E731
     assert _amx_calls(product, jnp.ones((2, 8, 64), jnp.bfloat16), w) == 1
@@ -154,8 +158,7 @@ def test_mixed_dot_takes_the_kernel_for_bf16_products_of_few_rows_only(monkeypat
     assert _amx_calls(product, jnp.ones((2, 64), jnp.float32), w.astype(jnp.float32)) == 0
     assert _amx_calls(lambda x, w: mixed_dot(x, w, transposed=True), jnp.ones((2, 96), jnp.bfloat16), w) == 1
     assert _amx_calls(product, jnp.ones((2, 48), jnp.bfloat16), jnp.ones((48, 96), jnp.bfloat16)) == 0  # K % 32
-    monkeypatch.setenv(native_kernels.ENV_VAR, "0")
-    jax.clear_caches()
+    _use_native_kernels(monkeypatch, "0")
     assert _amx_calls(product, jnp.ones((2, 64), jnp.bfloat16), w) == 0
 
     # the gradients stay XLA products: equal with the kernel on and off
@@ -164,8 +167,7 @@ def test_mixed_dot_takes_the_kernel_for_bf16_products_of_few_rows_only(monkeypat
     loss = lambda x, w: jnp.sum(mixed_dot(x, w).astype(jnp.float32) ** 2)  # noqa: E731
     grads = {}
     for setting in ("1", "0"):
-        monkeypatch.setenv(native_kernels.ENV_VAR, setting)
-        jax.clear_caches()  # programs are traced again under the setting
+        _use_native_kernels(monkeypatch, setting)
         grads[setting] = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     for ours, reference in zip(grads["1"], grads["0"]):
         np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(reference, np.float32), rtol=2e-2)
@@ -179,13 +181,11 @@ def test_a_bf16_model_runs_its_projections_on_the_kernel_with_the_pure_jax_logit
     tokens = jnp.asarray([[5, 9, 17, 33, 2, 8, 100, 7]])
     logits = {}
     for setting in ("1", "0"):
-        monkeypatch.setenv(native_kernels.ENV_VAR, setting)
-        jax.clear_caches()  # programs are traced again under the setting
+        _use_native_kernels(monkeypatch, setting)
         logits[setting] = np.asarray(jax.jit(forward)(state, tokens), np.float32)
         # 2 layers x (q, k, v, o, gate, up, down) and the untied head, on 8 rows each
         assert _amx_calls(forward, state, tokens) == (15 if setting == "1" else 0)
     assert np.abs(logits["1"]).max() > 0.1
     np.testing.assert_allclose(logits["1"], logits["0"], atol=2e-2 * np.abs(logits["0"]).max())
-    monkeypatch.setenv(native_kernels.ENV_VAR, "1")
-    jax.clear_caches()
+    _use_native_kernels(monkeypatch, "1")
     assert _amx_calls(forward, state, jnp.ones((1, 17), jnp.int32)) == 0  # a prompt of 17 tokens: XLA's dots

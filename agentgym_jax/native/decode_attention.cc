@@ -190,26 +190,15 @@ template <typename Raw>
 void AttendHeadAnyWidth(const float* q, const Raw* keys, const Raw* values, int64_t groups, int64_t head_dim,
                         int64_t slots, int64_t n, float scale, float* scores, float* out, const Raw* next_keys,
                         const Raw* next_values, int64_t next_n) {
-  switch ((head_dim + 15) / 16) {  // head dims up to 256: the output stays in registers
-    case 1: return AttendHead<1>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-    case 2: return AttendHead<2>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-    case 3: return AttendHead<3>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-    case 4: return AttendHead<4>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-    case 5: return AttendHead<5>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-    case 6: return AttendHead<6>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-    case 7: return AttendHead<7>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-    case 8: return AttendHead<8>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-    default: return AttendHead<16>(q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys,
-                                      next_values, next_n);
-  }
+  using Head = void (*)(const float*, const Raw*, const Raw*, int64_t, int64_t, int64_t, int64_t, float, float*,
+                        float*, const Raw*, const Raw*, int64_t);
+  // by 16-lane vectors per head dim, up to 256: the output stays in registers
+  static constexpr Head kByVectors[] = {AttendHead<1, Raw>, AttendHead<2, Raw>, AttendHead<3, Raw>,
+                                        AttendHead<4, Raw>, AttendHead<5, Raw>, AttendHead<6, Raw>,
+                                        AttendHead<7, Raw>, AttendHead<8, Raw>, AttendHead<16, Raw>};
+  const int64_t vectors = std::min<int64_t>((head_dim + 15) / 16, 9);
+  kByVectors[vectors - 1](q, keys, values, groups, head_dim, slots, n, scale, scores, out, next_keys, next_values,
+                          next_n);
 }
 #else
 // One (row, kv head): its `groups` queries q [G, H] over keys [H, T] and values [T, H], slots [0, n).
@@ -241,8 +230,8 @@ void AttendHeads(const float* q, const void* keys, const void* values, const int
   const Raw* k = static_cast<const Raw*>(keys);
   const Raw* v = static_cast<const Raw*>(values);
   std::vector<float> scores(groups * slots);
+  const auto length = [&](int64_t item) { return std::clamp<int64_t>(limits[item / kv_heads], 1, slots); };
   for (int64_t i = begin; i < end; ++i) {  // i = row * kv_heads + head
-    const auto length = [&](int64_t item) { return std::clamp<int64_t>(limits[item / kv_heads], 1, slots); };
     const bool last = i + 1 == end;  // the next head's cache is read ahead while this one computes
     AttendHeadAnyWidth(q + i * groups * head_dim, k + i * head_dim * slots, v + i * slots * head_dim, groups,
                        head_dim, slots, length(i), scale, scores.data(), out + i * groups * head_dim,
