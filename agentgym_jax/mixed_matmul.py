@@ -7,7 +7,7 @@ of inputs and weights; 43% of an H200 step's GPU time, ``benchmarks/gpu_check``)
 cotangent to the operands' dtype first, as mixed-precision training does in torch's autocast, so both backward
 products are bf16 x bf16 with fp32 accumulation. With fp32 operands nothing changes.
 
-On CPUs with AMX, a bf16 product of at most 16 rows (a decode step's projections) runs
+On CPUs with AMX, a bf16 product of at most 32 rows (a decode step's projections) runs
 :func:`native_kernels.amx_matmul` instead of XLA's dot (:func:`native_kernels.amx_matmul_applies`); its gradients
 stay XLA products.
 """

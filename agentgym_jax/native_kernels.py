@@ -4,7 +4,7 @@
   lowering of :func:`attention.attend_one_query` copied a bf16 cache out as fp32 for every layer and step and read
   every slot of the window; the kernel reads each entry once and only each row's own slots (a decode step at batch
   32 in bf16: 99 -> 82 ms on a 2-core Xeon, ``benchmarks/sampler.py``).
-- :func:`amx_matmul` (``native/amx_matmul.cc``): bf16 projections of at most 16 rows (decode steps) on Intel AMX
+- :func:`amx_matmul` (``native/amx_matmul.cc``): bf16 projections of at most 32 rows (decode steps) on Intel AMX
   tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and an
   OS that grants it).
 
@@ -40,7 +40,7 @@ from agentgym_jax.errors import ConfigError
 ENV_VAR = "AGENTGYM_JAX_NATIVE_KERNELS"
 NATIVE_DIR = Path(__file__).with_name("native")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
-AMX_MAX_ROWS = 16  # rows of x per AMX tile: amx_matmul takes decode-sized products only
+AMX_MAX_ROWS = 32  # rows of x in two AMX tiles: amx_matmul takes decode-sized products only
 AMX_BLOCK = 32  # amx_matmul's K and N must be multiples of this
 
 
@@ -163,7 +163,7 @@ def amx_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
 
 
 def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
-    """``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis for bf16 ``x`` [..., K] (at most 16 rows)
+    """``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis for bf16 ``x`` [..., K] (at most 32 rows)
     and ``w`` [K, N] ([N, K]), accumulated and returned in fp32 (the conditions: :func:`amx_matmul_applies`)."""
     _register(AMX_MATMUL)
     rows = x.reshape(-1, x.shape[-1])

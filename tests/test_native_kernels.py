@@ -131,7 +131,8 @@ needs_amx = pytest.mark.skipif(not native_kernels.amx_available(), reason="this 
 
 @needs_amx
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("rows,k,n", [(1, 32, 32), (5, 576, 192), (16, 64, 96), (3, 1536, 64)])
+@pytest.mark.parametrize("rows,k,n", [(1, 32, 32), (5, 576, 192), (16, 64, 96), (3, 1536, 64), (17, 64, 96),
+                                       (24, 576, 192), (32, 96, 64)])
 def test_amx_matmul_equals_the_fp32_accumulated_dot(rows, k, n, transposed):
     rng = np.random.RandomState(rows + k + n)
     x = jnp.asarray(rng.randn(rows, k), jnp.bfloat16)
@@ -154,7 +155,8 @@ def test_mixed_dot_takes_the_kernel_for_bf16_products_of_few_rows_only(monkeypat
     w = jnp.ones((64, 96), jnp.bfloat16)
     product = lambda x, w: mixed_dot(x, w)  # noqa: E731
     assert _amx_calls(product, jnp.ones((2, 8, 64), jnp.bfloat16), w) == 1
-    assert _amx_calls(product, jnp.ones((17, 64), jnp.bfloat16), w) == 0  # more rows than a tile holds
+    assert _amx_calls(product, jnp.ones((2, 16, 64), jnp.bfloat16), w) == 1  # two groups of tiles
+    assert _amx_calls(product, jnp.ones((33, 64), jnp.bfloat16), w) == 0  # more rows than two tiles hold
     assert _amx_calls(product, jnp.ones((2, 64), jnp.float32), w.astype(jnp.float32)) == 0
     assert _amx_calls(lambda x, w: mixed_dot(x, w, transposed=True), jnp.ones((2, 96), jnp.bfloat16), w) == 1
     assert _amx_calls(product, jnp.ones((2, 48), jnp.bfloat16), jnp.ones((48, 96), jnp.bfloat16)) == 0  # K % 32
@@ -188,4 +190,4 @@ def test_a_bf16_model_runs_its_projections_on_the_kernel_with_the_pure_jax_logit
     assert np.abs(logits["1"]).max() > 0.1
     np.testing.assert_allclose(logits["1"], logits["0"], atol=2e-2 * np.abs(logits["0"]).max())
     _use_native_kernels(monkeypatch, "1")
-    assert _amx_calls(forward, state, jnp.ones((1, 17), jnp.int32)) == 0  # a prompt of 17 tokens: XLA's dots
+    assert _amx_calls(forward, state, jnp.ones((1, 33), jnp.int32)) == 0  # a prompt of 33 tokens: XLA's dots

@@ -1,12 +1,13 @@
 // A decode step's projections, y [M, N] fp32 = x [M, K] @ w [K, N] (or @ w [N, K]^T, a tied output head) with bf16
-// operands and M <= 16 rows, on Intel AMX tiles (an XLA FFI custom call for XLA's CPU backend).
+// operands and M <= 32 rows, on Intel AMX tiles (an XLA FFI custom call for XLA's CPU backend).
 //
 // At a few rows a projection only streams its weights; XLA's CPU dots ran the model's bf16 decode-step products
 // well below the memory bandwidth (27.5 ms for the 210 projections of SmolLM2-135M at 8 rows against 20 ms here,
 // 2-core Xeon). Each thread takes a range of 32-column panels; for every 32-row block of w it loads x's block into
 // a tile once, then per panel reorders w's rows pairwise into the tiles' VNNI layout (two bf16 of consecutive k
 // per fp32 lane), multiplies, and accumulates the panel's output in y. A transposed w [N, K] is already laid out as
-// tile rows: the kernel computes y^T = w x^T, 32 of w's rows at a time, against x^T reordered once per call. Pure-JAX
+// tile rows: the kernel computes y^T = w x^T, 32 of w's rows at a time, against x^T reordered once per call. Rows
+// 17-32 of x take a second set of tiles, so a weight block is reordered once for all rows. Pure-JAX
 // reference: the fp32-accumulated dot in agentgym_jax.mixed_matmul (tests/test_native_kernels.py compares them).
 
 #include <immintrin.h>
@@ -30,8 +31,8 @@ extern "C" int AgentgymAmxReady() {
 
 namespace {
 
-constexpr int64_t kMaxRows = 16, kBlock = 32;  // x rows per tile; k rows and output columns per panel step
-
+// x rows per tile, per call (two groups of tiles) and k rows and output columns per panel step
+constexpr int64_t kTileRows = 16, kMaxRows = 32, kBlock = 32;
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -40,28 +41,37 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// x @ w: tiles 0 and 1 hold the output's two 16-column halves (fp32), 2 holds x's block, 3 and 4 w's two halves.
-// x @ w^T: tiles 0 and 1 hold y^T for two 16-row blocks of w (16 x M fp32), 2 and 3 those blocks, 4 x^T's block.
+// x's rows go in two groups of at most 16 (one tile each): m0 = min(m, 16) and m1 = m - m0 (0: one group).
+// x @ w: tiles 0 and 1 hold group 0's output halves (16 columns each, fp32), 2 group 0's x block; 5, 6 and 7 the
+// same for group 1; 3 and 4 w's two halves of a panel block.
+// x @ w^T: tiles 0 and 1 hold y^T for two 16-row blocks of w against group 0 (16 x m0 fp32), 5 and 6 against
+// group 1; 2 and 3 those blocks of w; 4 and 7 the two groups' x^T blocks.
 void ConfigureTiles(int64_t m, bool transposed) {
   TileConfig config;
+  const int64_t m0 = m < kTileRows ? m : kTileRows, m1 = m - m0;
   const auto set = [&](int tile, int64_t rows, int64_t bytes) {
     config.rows[tile] = static_cast<uint8_t>(rows);
     config.bytes_per_row[tile] = static_cast<uint16_t>(bytes);
   };
   if (transposed) {
-    for (int tile : {0, 1, 4}) set(tile, 16, 4 * m);
+    for (int tile : {0, 1, 4}) set(tile, 16, 4 * m0);
     for (int tile : {2, 3}) set(tile, 16, 64);
+    if (m1)
+      for (int tile : {5, 6, 7}) set(tile, 16, 4 * m1);
   } else {
-    for (int tile : {0, 1, 2}) set(tile, m, 64);
+    for (int tile : {0, 1, 2}) set(tile, m0, 64);
     for (int tile : {3, 4}) set(tile, 16, 64);
+    if (m1)
+      for (int tile : {5, 6, 7}) set(tile, m1, 64);
   }
   asm volatile("" ::: "memory");  // GCC does not see ldtilecfg read config: keep the stores above
   _tile_loadconfig(&config);
 }
 
-// y[:, c0:c1] for x [M, K] and w [K, N] (bf16 bits), M <= 16, K and the column range multiples of 32.
-void Columns(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k_size, int64_t n, int64_t c0, int64_t c1,
-             float* y) {
+// y[:, c0:c1] for x [M, K] and w [K, N] (bf16 bits), M <= 32 (more than 16: kTwoGroups), K and the column range
+// multiples of 32.
+template <bool kTwoGroups>
+void Columns(const uint16_t* x, const uint16_t* w, int64_t k_size, int64_t n, int64_t c0, int64_t c1, float* y) {
   alignas(64) uint16_t low[16 * 32], high[16 * 32];  // w's panel block in VNNI order, columns 0-15 and 16-31
   alignas(64) uint16_t pick_low[32], pick_high[32];
   for (int c = 0; c < 16; ++c) {  // lane c of a VNNI row: (row 2r, column c), (row 2r + 1, column c)
@@ -69,15 +79,26 @@ void Columns(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k_size, in
     pick_high[2 * c] = 16 + c, pick_high[2 * c + 1] = 48 + c;
   }
   const __m512i to_low = _mm512_load_si512(pick_low), to_high = _mm512_load_si512(pick_high);
+  const uint16_t* x1 = x + kTileRows * k_size;  // group 1's rows
+  float* y1 = y + kTileRows * n;
   for (int64_t k = 0; k < k_size; k += kBlock) {
     _tile_loadd(2, x + k, k_size * 2);
+    if (kTwoGroups) _tile_loadd(7, x1 + k, k_size * 2);
     for (int64_t c = c0; c < c1; c += kBlock) {
       if (k == 0) {
         _tile_zero(0);
         _tile_zero(1);
+        if (kTwoGroups) {
+          _tile_zero(5);
+          _tile_zero(6);
+        }
       } else {
         _tile_loadd(0, y + c, n * 4);
         _tile_loadd(1, y + c + 16, n * 4);
+        if (kTwoGroups) {
+          _tile_loadd(5, y1 + c, n * 4);
+          _tile_loadd(6, y1 + c + 16, n * 4);
+        }
       }
       const uint16_t* rows = w + k * n + c;
       for (int r = 0; r < 16; ++r) {
@@ -92,41 +113,66 @@ void Columns(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k_size, in
       _tile_dpbf16ps(1, 2, 4);
       _tile_stored(0, y + c, n * 4);
       _tile_stored(1, y + c + 16, n * 4);
+      if (kTwoGroups) {
+        _tile_dpbf16ps(5, 7, 3);
+        _tile_dpbf16ps(6, 7, 4);
+        _tile_stored(5, y1 + c, n * 4);
+        _tile_stored(6, y1 + c + 16, n * 4);
+      }
     }
   }
 }
 
-// x^T in the tiles' VNNI order, one 16 x 32 block per 32 values of k: block b, row p, lane j holds
-// (x[j, 32b + 2p], x[j, 32b + 2p + 1]).
+// x^T in the tiles' VNNI order, one 16 x 32 block per 32 values of k and group of 16 rows: block b, group g, row p,
+// lane j holds (x[16g + j, 32b + 2p], x[16g + j, 32b + 2p + 1]).
 void TransposePairs(const uint16_t* x, int64_t m, int64_t k_size, uint16_t* pairs) {
   for (int64_t b = 0; b < k_size / kBlock; ++b)
-    for (int p = 0; p < 16; ++p)
-      for (int64_t j = 0; j < m; ++j) {
-        pairs[(b * 16 + p) * 32 + 2 * j] = x[j * k_size + b * kBlock + 2 * p];
-        pairs[(b * 16 + p) * 32 + 2 * j + 1] = x[j * k_size + b * kBlock + 2 * p + 1];
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t g = i / kTileRows, j = i % kTileRows;
+      for (int p = 0; p < 16; ++p) {
+        uint16_t* pair = pairs + ((b * 2 + g) * 16 + p) * 32 + 2 * j;
+        pair[0] = x[i * k_size + b * kBlock + 2 * p];
+        pair[1] = x[i * k_size + b * kBlock + 2 * p + 1];
       }
+    }
 }
 
 // y[:, r0:r1] = x @ w[r0:r1]^T for w [N, K], from x^T's pairs; r0, r1 multiples of 32.
+template <bool kTwoGroups>
 void RowsOfTransposed(const uint16_t* pairs, const uint16_t* w, int64_t m, int64_t k_size, int64_t n, int64_t r0,
                       int64_t r1, float* y) {
-  alignas(64) float block[2][16 * 16];  // y^T for 16 of w's rows x M
+  alignas(64) float block[4][16 * 16];  // y^T for 16 of w's rows x 16 of x's rows: (w block, group) 00, 10, 01, 11
   for (int64_t r = r0; r < r1; r += kBlock) {
     _tile_zero(0);
     _tile_zero(1);
+    if (kTwoGroups) {
+      _tile_zero(5);
+      _tile_zero(6);
+    }
     for (int64_t k = 0; k < k_size; k += kBlock) {
-      _tile_loadd(4, pairs + (k / kBlock) * 16 * 32, 64);
+      const uint16_t* group0 = pairs + (k / kBlock) * 2 * 16 * 32;
+      _tile_loadd(4, group0, 64);
       _tile_loadd(2, w + r * k_size + k, k_size * 2);
       _tile_loadd(3, w + (r + 16) * k_size + k, k_size * 2);
       _tile_dpbf16ps(0, 2, 4);
       _tile_dpbf16ps(1, 3, 4);
+      if (kTwoGroups) {
+        _tile_loadd(7, group0 + 16 * 32, 64);
+        _tile_dpbf16ps(5, 2, 7);
+        _tile_dpbf16ps(6, 3, 7);
+      }
     }
     _tile_stored(0, block[0], 64);
     _tile_stored(1, block[1], 64);
+    if (kTwoGroups) {
+      _tile_stored(5, block[2], 64);
+      _tile_stored(6, block[3], 64);
+    }
     asm volatile("" ::: "memory");  // the reads below see the tile stores
-    for (int half = 0; half < 2; ++half)
-      for (int i = 0; i < 16; ++i)
-        for (int64_t j = 0; j < m; ++j) y[j * n + r + 16 * half + i] = block[half][i * 16 + j];
+    for (int64_t j = 0; j < m; ++j) {
+      const float* lane = block[2 * (j / kTileRows)] + j % kTileRows;
+      for (int i = 0; i < 32; ++i) y[j * n + r + i] = lane[(i / 16) * 256 + (i % 16) * 16];
+    }
   }
 }
 
@@ -137,24 +183,30 @@ ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer
     return ffi::Error::InvalidArgument("amx_matmul: x [M, K] and w [K, N] (transposed: [N, K]) expected");
   const int64_t m = xd[0], k_size = xd[1], n = wd[transposed ? 0 : 1];
   if (m < 1 || m > kMaxRows || k_size % kBlock || n % kBlock)
-    return ffi::Error::InvalidArgument("amx_matmul: needs 1 <= M <= 16 and K, N multiples of 32");
+    return ffi::Error::InvalidArgument("amx_matmul: needs 1 <= M <= 32 and K, N multiples of 32");
   if (!AgentgymAmxReady()) return ffi::Error::Internal("amx_matmul: the OS did not grant this process AMX tiles");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
   float* yp = y->typed_data();
   if (transposed) {
-    std::vector<uint16_t> pairs(k_size / kBlock * 16 * 32, 0);
+    std::vector<uint16_t> pairs(k_size / kBlock * 2 * 16 * 32, 0);
     TransposePairs(xp, m, k_size, pairs.data());
     agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
       ConfigureTiles(m, true);
-      RowsOfTransposed(pairs.data(), wp, m, k_size, n, begin * kBlock, end * kBlock, yp);
+      if (m > kTileRows)
+        RowsOfTransposed<true>(pairs.data(), wp, m, k_size, n, begin * kBlock, end * kBlock, yp);
+      else
+        RowsOfTransposed<false>(pairs.data(), wp, m, k_size, n, begin * kBlock, end * kBlock, yp);
       _tile_release();
     });
     return ffi::Error::Success();
   }
   agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
     ConfigureTiles(m, false);
-    Columns(xp, wp, m, k_size, n, begin * kBlock, end * kBlock, yp);
+    if (m > kTileRows)
+      Columns<true>(xp, wp, k_size, n, begin * kBlock, end * kBlock, yp);
+    else
+      Columns<false>(xp, wp, k_size, n, begin * kBlock, end * kBlock, yp);
     _tile_release();
   });
   return ffi::Error::Success();

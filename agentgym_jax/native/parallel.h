@@ -1,8 +1,11 @@
 // Splitting a custom call's work over XLA's intra-op thread pool; shared by the native kernels.
 #pragma once
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -19,8 +22,8 @@ namespace agentgym {
 // only for chunks another thread is running. A task that starts late finds nothing left and returns.
 struct Job {
   std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
   int64_t chunks = 0;
-  int64_t finished = 0;
   std::mutex mutex;
   std::condition_variable done;
   std::function<void(int64_t)> run;
@@ -28,10 +31,29 @@ struct Job {
   void Work() {
     for (int64_t chunk; (chunk = next.fetch_add(1)) < chunks;) {
       run(chunk);
-      std::lock_guard<std::mutex> lock(mutex);
-      if (++finished == chunks) done.notify_all();
+      if (finished.fetch_add(1, std::memory_order_acq_rel) + 1 == chunks) {
+        std::lock_guard<std::mutex> lock(mutex);
+        done.notify_all();
+      }
     }
   }
+
+  // The caller waits for chunks other threads are running: spinning first (a chunk takes microseconds; a thread
+  // put to sleep on the condition variable took tens of microseconds to wake, more than a short call's work), then
+  // sleeping if that thread was descheduled.
+  void Wait() {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicroseconds);
+    while (finished.load(std::memory_order_acquire) < chunks) {
+      for (int i = 0; i < 64; ++i) _mm_pause();
+      if (std::chrono::steady_clock::now() > give_up) {
+        std::unique_lock<std::mutex> lock(mutex);
+        done.wait(lock, [&] { return finished.load(std::memory_order_acquire) == chunks; });
+        return;
+      }
+    }
+  }
+
+  static constexpr int64_t kSpinMicroseconds = 2000;
 };
 
 // chunks_per_worker: a pool thread can take tens of microseconds to wake, so with one chunk per worker the calling
@@ -49,8 +71,7 @@ void Parallel(xla::ffi::ThreadPool& pool, int64_t items, F&& run, int64_t chunks
   job->run = [&run, per, items](int64_t chunk) { run(chunk * per, std::min(items, (chunk + 1) * per)); };
   for (int64_t w = 1; w < workers; ++w) pool.Schedule([job] { job->Work(); });
   job->Work();
-  std::unique_lock<std::mutex> lock(job->mutex);
-  job->done.wait(lock, [&] { return job->finished == job->chunks; });
+  job->Wait();
 }
 
 }  // namespace agentgym
