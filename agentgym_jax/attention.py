@@ -81,6 +81,14 @@ class LayerCache(NamedTuple):
     keys: jax.Array
     values: jax.Array
     dtype: Any
+    window: int | None = None  # slots attention reads (None: all)
+
+    def readable(self, raw: jax.Array, axis: int) -> jax.Array:
+        """The slots of ``raw`` (this layer's keys or values, slots on ``axis``) that attention reads: a slice XLA
+        fuses into the reads, where a copied-out window cost as much as a prefill's attention."""
+        if self.window is None or self.window >= raw.shape[axis]:
+            return raw
+        return jax.lax.slice_in_dim(raw, 0, self.window, axis=axis)
 
 
 def storage_dtype(dtype: Any) -> Any:

@@ -71,6 +71,8 @@ class KVCache:
     values: list[jax.Array]
     lengths: jax.Array
     dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
+    # Attention reads only the first ``window`` slots (None: all); the caller picks it so no row passes it.
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype: Any = None) -> "KVCache":
@@ -87,7 +89,7 @@ class KVCache:
 
     def layer(self, i: int) -> attention.LayerCache:
         """Layer ``i``'s entries."""
-        return attention.LayerCache(self.keys[i], self.values[i], self.dtype)
+        return attention.LayerCache(self.keys[i], self.values[i], self.dtype, self.window)
 
     @property
     def capacity(self) -> int:
@@ -191,8 +193,9 @@ class Attention(nnx.Module):
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
             native = s == 1 and decodes_natively(layer_cache.dtype)
             if not native:
-                k = attention.from_storage(k_all, layer_cache.dtype).astype(q.dtype)
-                v = attention.from_storage(v_all, layer_cache.dtype).astype(q.dtype)
+                k = attention.from_storage(layer_cache.readable(k_all, attention.KEY_SLOT_AXIS), layer_cache.dtype)
+                v = attention.from_storage(layer_cache.readable(v_all, attention.VALUE_SLOT_AXIS), layer_cache.dtype)
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
         else:
             k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache's layouts
         group = self.num_heads // self.num_kv_heads
@@ -223,8 +226,16 @@ class MLP(nnx.Module):
         self.down_proj = _linear(f, d, config.mlp_bias, config, rngs, "down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gated = sharding.constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), "mlp")
+        gated = sharding.constrain(swiglu(self.gate_proj(x), self.up_proj(x)), "mlp")
         return self.down_proj(gated)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up``, computed in fp32 with the sigmoid as ``0.5 tanh(x / 2) + 0.5`` and rounded once to the
+    inputs' dtype. XLA's CPU backend ran ``jax.nn.silu`` (an exponential and a division) per bf16 op, 1.7x slower
+    over a prefill's [4096, 1536] activations; its tanh is a vectorized rational function."""
+    g = gate.astype(jnp.float32)
+    return (g * (0.5 * jnp.tanh(0.5 * g) + 0.5) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 class DecoderLayer(nnx.Module):

@@ -100,12 +100,13 @@ def prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengt
     """Writes each row's new tokens into its cache without sampling (rows with length 0 are untouched),
     attending over the first ``window`` slots."""
     model = nnx.merge(graphdef, state)
-    _, view = model.forward(new_tokens, cache=window_view(cache, window))
-    return write_back(cache, dataclasses.replace(view, lengths=view.lengths + new_lengths))
+    _, cache = model.forward(new_tokens, cache=limit_window(cache, window))
+    return dataclasses.replace(cache, lengths=cache.lengths + new_lengths, window=None)
 
 
 def window_view(cache: KVCache, window: int) -> KVCache:
-    """The cache's first ``window`` slots (the host chose ``window`` so that no row passes it in this call)."""
+    """The cache's first ``window`` slots, copied out (the host chose ``window`` so that no row passes it in this
+    call): a generate call's decode loop carries and reads only these."""
     if window >= cache.capacity:
         return cache
     head = lambda x, axis: jax.lax.slice_in_dim(x, 0, window, axis=axis)  # noqa: E731
@@ -122,3 +123,9 @@ def write_back(full: KVCache, view: KVCache) -> KVCache:
         view, keys=[put(k, part, KEY_SLOT_AXIS) for k, part in zip(full.keys, view.keys)],
         values=[put(v, part, VALUE_SLOT_AXIS) for v, part in zip(full.values, view.values)],
     )
+
+
+def limit_window(cache: KVCache, window: int) -> KVCache:
+    """The cache with attention limited to its first ``window`` slots, not copied: the layers write into the whole
+    cache and read a slice of it (a prefill's copied-out windows cost about as much as its attention)."""
+    return dataclasses.replace(cache, window=window if window < cache.capacity else None)
