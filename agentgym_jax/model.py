@@ -182,38 +182,47 @@ class Attention(nnx.Module):
         q = sharding.constrain(attention.apply_rope(q, positions, inv_freq), "heads")
         k = sharding.constrain(attention.apply_rope(k, positions, inv_freq), "heads")
         v = sharding.constrain(v, "heads")
+        q = q.reshape(b, s, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if layer_cache is not None and s == 1 and decodes_natively(layer_cache.dtype):
+            # a decode step: the native kernel writes the new entries into the cache and attends over it
+            out, k_all, v_all = native_kernels.decode_attention(
+                q, layer_cache.keys, layer_cache.values, k, v, cache_lengths, scale, layer_cache.dtype)
+            layer_cache = layer_cache._replace(keys=sharding.constrain(k_all, "kv_cache"),
+                                               values=sharding.constrain(v_all, "kv_cache"))
+        else:
+            out, layer_cache = self._attend(q, k, v, scale, layer_cache, cache_lengths, segments)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), layer_cache
+
+    @staticmethod
+    def _attend(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, layer_cache: attention.LayerCache | None,
+                cache_lengths: jax.Array | None, segments: Segments | None
+                ) -> tuple[jax.Array, attention.LayerCache | None]:
+        """Attention in JAX for q [B, S, K, G, H] and the new k, v [B, S, K, H]: with a cache, after writing them
+        into it (at slots ``cache_lengths + s``); without, causally over themselves."""
+        b, s = q.shape[:2]
         query_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        native = False  # a decode step whose attention reads the stored cache in native_kernels
         if layer_cache is not None:
             query_slots = query_slots + cache_lengths[:, None]
-            write = lambda raw, new, axis: sharding.constrain(
+            write = lambda raw, new, axis: sharding.constrain(  # noqa: E731
                 attention.write_slots(raw, query_slots, new, layer_cache.dtype, axis), "kv_cache")
             k_all = write(layer_cache.keys, k, attention.KEY_SLOT_AXIS)
             v_all = write(layer_cache.values, v, attention.VALUE_SLOT_AXIS)
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
-            native = s == 1 and decodes_natively(layer_cache.dtype)
-            if not native:
-                k = attention.from_storage(layer_cache.readable(k_all, attention.KEY_SLOT_AXIS), layer_cache.dtype)
-                v = attention.from_storage(layer_cache.readable(v_all, attention.VALUE_SLOT_AXIS), layer_cache.dtype)
-                k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k = attention.from_storage(layer_cache.readable(k_all, attention.KEY_SLOT_AXIS), layer_cache.dtype)
+            v = attention.from_storage(layer_cache.readable(v_all, attention.VALUE_SLOT_AXIS), layer_cache.dtype)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         else:
             k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache's layouts
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(b, s, self.num_kv_heads, group, self.head_dim)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        if native:
-            out = native_kernels.decode_attention(q, k_all, v_all, cache_lengths + 1, scale)
-        else:
-            key_slots = jnp.arange(v.shape[attention.VALUE_SLOT_AXIS], dtype=jnp.int32)
-            allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
-            if segments is not None:  # teacher-forced packed rows (no cache): S == T
-                allowed = allowed & segments.allowed()
-            if s == 1:
-                attend = attention.attend_one_query
-            else:  # a teacher-forced row (no cache) attends to its own keys, causally
-                attend = attention.attend if layer_cache is not None else attention.attend_causal
-            out = attend(q, k, v, allowed, scale)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), layer_cache
+        key_slots = jnp.arange(v.shape[attention.VALUE_SLOT_AXIS], dtype=jnp.int32)
+        allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
+        if segments is not None:  # teacher-forced packed rows (no cache): S == T
+            allowed = allowed & segments.allowed()
+        if s == 1:
+            attend = attention.attend_one_query
+        else:  # a teacher-forced row (no cache) attends to its own keys, causally
+            attend = attention.attend if layer_cache is not None else attention.attend_causal
+        return attend(q, k, v, allowed, scale), layer_cache
 
 
 class MLP(nnx.Module):

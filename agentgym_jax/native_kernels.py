@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax import sharding
+from agentgym_jax import attention, sharding
 from agentgym_jax.default_model import cache_root
 from agentgym_jax.errors import ConfigError
 
@@ -172,17 +172,26 @@ def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Arra
     return call(rows, w, transposed=transposed).reshape(*x.shape[:-1], outputs)
 
 
-def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, limits: jax.Array, scale: float) -> jax.Array:
-    """:func:`attention.attend_one_query` for a stored cache: q [B, 1, K, G, H] over the raw cache entries keys
-    [B, K, H, T] and values [B, K, T, H] (fp32, or bf16 held as uint16: :func:`attention.storage_dtype`), row b
-    reading slots ``[0, limits[b])`` (clamped to [1, T]); [B, 1, K, G, H] in q's dtype, computed in fp32."""
+def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
+                     lengths: jax.Array, scale: float, cache_dtype: object) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's cache write and attention: writes row b's ``new_keys`` and ``new_values`` [B, 1, K, H] at slot
+    ``lengths[b]`` of the raw cache entries keys [B, K, H, T] and values [B, K, T, H] of ``cache_dtype`` (fp32, or
+    bf16 held as uint16: :func:`attention.storage_dtype`; none past the end), then q [B, 1, K, G, H] attends over the row's first
+    ``lengths[b] + 1`` slots (clamped to [1, T]). Returns the output [B, 1, K, G, H] in q's dtype (computed in fp32)
+    and the updated keys and values (the same buffers, updated in place). Equals :func:`attention.write_slots`
+    then :func:`attention.attend_one_query`."""
     if keys.dtype not in (jnp.float32, jnp.uint16) or values.dtype != keys.dtype:
         raise TypeError(f"decode_attention takes fp32 or bf16-bit (uint16) caches, got {keys.dtype}/{values.dtype}")
     _register()
     b, _, k, g, h = q.shape
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((b, k, g, h), jnp.float32))
-    out = call(q[:, 0].astype(jnp.float32), keys, values, limits.astype(jnp.int32), scale=np.float32(scale))
-    return out[:, None].astype(q.dtype)
+    stored = lambda x: attention.to_storage(x[:, 0].astype(cache_dtype))  # noqa: E731
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, k, g, h), jnp.float32),
+                                     jax.ShapeDtypeStruct(keys.shape, keys.dtype),
+                                     jax.ShapeDtypeStruct(values.shape, values.dtype)),
+                            input_output_aliases={1: 1, 2: 2})
+    out, keys, values = call(q[:, 0].astype(jnp.float32), keys, values, stored(new_keys), stored(new_values),
+                             (lengths + 1).astype(jnp.int32), scale=np.float32(scale))
+    return out[:, None].astype(q.dtype), keys, values
 
 
 if __name__ == "__main__":  # `make setup`: build (or find) the libraries once

@@ -47,7 +47,7 @@ def test_write_slots_moves_exact_values_and_drops_past_the_end(dtype, axis):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype, native, monkeypatch):
     """What XLA emits for one decode step, counted: per layer, the in-place writes (scatters) of keys and values
-    and, for bf16 on the pure-JAX path, one read of each into fp32 (the native kernel reads the bits in place). A
+    and, for bf16 on the pure-JAX path, one read of each into fp32; the native kernel writes and reads in place. A
     layout the attention cannot read in place, or a scatter XLA cannot run in the cache's own type, shows up here
     as more cache-sized copies, transposes or converts."""
     import re
@@ -76,7 +76,9 @@ def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype, 
         if shape in cache_shapes
     ]
     kinds = {kind for kind, _ in whole_cache_ops}
-    assert kinds <= {"scatter", "fusion", "parameter", "bitcast"}, whole_cache_ops
+    # the native kernel writes into the cache buffers it is handed (aliased to its outputs: read from its tuple)
+    allowed_kinds = {"parameter", "bitcast"} | ({"get-tuple-element"} if native == "1" else {"scatter", "fusion"})
+    assert kinds <= allowed_kinds, whole_cache_ops
     fusions = re.findall(r"= \w+(\[[\d,]+\])\{[^}]*\} fusion\(.*?calls=(%[\w.-]+)", entry)
     roots = []
     for shape, called in fusions:
@@ -84,10 +86,11 @@ def test_a_decode_step_never_copies_transposes_or_converts_a_whole_cache(dtype, 
             body = hlo[hlo.index("\n" + called + " "):]
             body = body[: body.index("\n}")]
             roots.append(re.search(r"ROOT %\S+ = \S+ ([\w-]+)\(", body).group(1))
-    # Each layer writes its keys and values in place. On the pure-JAX path a bf16 cache is read once into fp32
-    # for the CPU's reduction kernels (which take fp32 inputs); an fp32 cache is read where it lies.
+    # On the pure-JAX path each layer writes its keys and values in place (scatters), and a bf16 cache is read once
+    # into fp32 for the CPU's reduction kernels (which take fp32 inputs); an fp32 cache is read where it lies.
     reads = 4 if dtype == "bfloat16" and native == "0" else 0
-    assert sorted(roots) == sorted(["scatter"] * 4 + ["convert"] * reads), roots
+    writes = 0 if native == "1" else 4
+    assert sorted(roots) == sorted(["scatter"] * writes + ["convert"] * reads), roots
     assert hlo.count(f'custom_call_target="{native_kernels.TARGET}"') == (2 if native == "1" else 0)
 
 

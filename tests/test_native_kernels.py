@@ -27,27 +27,40 @@ def _use_native_kernels(monkeypatch, setting: str) -> None:
     (3, 1, 7, 64, 70),  # 7 queries: a pass of 4 and one of 3 over the keys, two of 4 and 3 over the values
     (2, 2, 2, 136, 33),  # a head dim that is not a multiple of 16 lanes
 ])
-def test_decode_attention_equals_attend_one_query(dtype, rows, kv_heads, groups, head_dim, slots):
+def test_decode_attention_equals_write_slots_then_attend_one_query(dtype, rows, kv_heads, groups, head_dim, slots):
     rng = np.random.RandomState(0)
     keys = jnp.asarray(rng.randn(rows, kv_heads, head_dim, slots) * 2, dtype)
     values = jnp.asarray(rng.randn(rows, kv_heads, slots, head_dim), dtype)
     q = jnp.asarray(rng.randn(rows, 1, kv_heads, groups, head_dim), dtype)
-    # Past each row's limit the cache holds large entries: reading them would change the output.
-    limits = jnp.asarray([1, 17, 33, slots, slots + 9][:rows - 1] + [slots + 9], jnp.int32)
-    beyond = jnp.arange(slots) >= limits[:, None, None, None]
+    new_keys = jnp.asarray(rng.randn(rows, 1, kv_heads, head_dim) * 2, dtype)
+    new_values = jnp.asarray(rng.randn(rows, 1, kv_heads, head_dim), dtype)
+    # Each row writes at slot lengths[b] (none at slots or past them) and reads lengths[b] + 1 slots; past those
+    # the cache holds large entries: reading them would change the output.
+    lengths = jnp.asarray([0, 16, 32, slots - 1, slots + 8][:rows - 1] + [slots], jnp.int32)
+    beyond = jnp.arange(slots) > lengths[:, None, None, None]
     keys = jnp.where(beyond, jnp.asarray(50, dtype), keys)
     values = jnp.where(jnp.swapaxes(beyond, 2, 3), jnp.asarray(-80, dtype), values)
+    stored_keys, stored_values = attention.to_storage(keys), attention.to_storage(values)
 
-    out = native_kernels.decode_attention(q, attention.to_storage(keys), attention.to_storage(values), limits, 0.17)
-    allowed = (jnp.arange(slots)[None, :] < jnp.clip(limits, 1, slots)[:, None])[:, None]
-    expected = attention.attend_one_query(q, keys, values, allowed, 0.17)
+    kernel = jax.jit(native_kernels.decode_attention, static_argnums=(6, 7))
+    out, written_keys, written_values = kernel(q, stored_keys, stored_values, new_keys, new_values, lengths, 0.17,
+                                               dtype)
+    slots_written = lengths[:, None]
+    expected_keys = attention.write_slots(stored_keys, slots_written, new_keys, dtype, attention.KEY_SLOT_AXIS)
+    expected_values = attention.write_slots(stored_values, slots_written, new_values, dtype,
+                                            attention.VALUE_SLOT_AXIS)
+    np.testing.assert_array_equal(np.asarray(written_keys), np.asarray(expected_keys))
+    np.testing.assert_array_equal(np.asarray(written_values), np.asarray(expected_values))
+    allowed = (jnp.arange(slots)[None, :] < jnp.clip(lengths + 1, 1, slots)[:, None])[:, None]
+    expected = attention.attend_one_query(q, attention.from_storage(expected_keys, dtype),
+                                          attention.from_storage(expected_values, dtype), allowed, 0.17)
 
     assert out.dtype == q.dtype and out.shape == expected.shape
     tolerance = 1e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), atol=tolerance,
                                rtol=tolerance)
-    # Row 0 reads slot 0 only: its output is that slot's value, whatever its score.
-    first_slot = np.asarray(values[0, :, 0], np.float32)[:, None, :]  # [K, 1, H]
+    # Row 0 reads slot 0 only, its new entry: its output is that value, whatever its score.
+    first_slot = np.asarray(new_values[0, 0], np.float32)[:, None, :]  # [K, 1, H]
     np.testing.assert_allclose(np.asarray(out[0, 0], np.float32), np.broadcast_to(first_slot, out.shape[2:]),
                                atol=tolerance)
 
