@@ -119,3 +119,25 @@ def test_long_rows_take_the_blocked_attention_and_match_transformers(tmp_path):
     ours_q = np.asarray(grads["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...])
     theirs_q = reference.model.layers[0].self_attn.q_proj.weight.grad.numpy().T
     np.testing.assert_allclose(ours_q, theirs_q, atol=1e-6 + 1e-3 * np.abs(theirs_q).max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_embedding_lookup_gathers_bits_with_take_s_values_and_gradients(dtype):
+    """A bf16 table is gathered as raw bits (XLA's CPU backend converted the whole table to fp32 for a bf16
+    gather); the rows and the table's gradient are those of ``jnp.take``."""
+    import jax
+
+    from agentgym_jax import model
+
+    table = jnp.asarray(np.random.RandomState(0).randn(50, 8), dtype)
+    tokens = jnp.asarray([[1, 3, 3], [49, 0, 1]])
+    np.testing.assert_array_equal(np.asarray(model._embed(table, tokens), np.float32),
+                                  np.asarray(jnp.take(table, tokens, axis=0), np.float32))
+    weights = jnp.arange(8, dtype=jnp.float32)
+    ours = jax.grad(lambda t: (model._embed(t, tokens).astype(jnp.float32) * weights).sum())(table)
+    reference = jax.grad(lambda t: (jnp.take(t, tokens, axis=0).astype(jnp.float32) * weights).sum())(table)
+    assert ours.dtype == reference.dtype
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(reference, np.float32))
+    assert float(np.abs(np.asarray(ours, np.float32))[3].sum()) == 2 * float(weights.sum())  # token 3, twice
+    hlo = jax.jit(lambda t: model._embed(t, tokens)).lower(table).compile().as_text()
+    assert ("f32[50,8]" in hlo) == (dtype == "float32")
