@@ -1,9 +1,10 @@
 """Native CPU kernels: C++ XLA FFI custom calls for the steps XLA's CPU backend runs far from the hardware's limits.
 
-- :func:`decode_attention` (``native/decode_attention.cc``): a decode step's attention over the KV cache. XLA's
-  lowering of :func:`attention.attend_one_query` copied a bf16 cache out as fp32 for every layer and step and read
-  every slot of the window; the kernel reads each entry once and only each row's own slots (a decode step at batch
-  32 in bf16: 99 -> 82 ms on a 2-core Xeon, ``benchmarks/sampler.py``).
+- :func:`decode_attention` (``native/decode_attention.cc``): a decode step's cache write and attention over the KV
+  cache. XLA's lowering of :func:`attention.attend_one_query` copied a bf16 cache out as fp32 for every layer and
+  step and read every slot of the window, and its scatter into the keys' strided layout cost more than the
+  attention over a short cache; the kernel writes the new entries in place and reads each entry once, only each
+  row's own slots (a decode step at batch 32 in bf16: 99 -> 82 ms on a 2-core Xeon, ``benchmarks/sampler.py``).
 - :func:`amx_matmul` (``native/amx_matmul.cc``): bf16 projections of at most 32 rows (decode steps) on Intel AMX
   tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and an
   OS that grants it).
@@ -175,11 +176,11 @@ def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Arra
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
                      lengths: jax.Array, scale: float, cache_dtype: object) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's cache write and attention: writes row b's ``new_keys`` and ``new_values`` [B, 1, K, H] at slot
-    ``lengths[b]`` of the raw cache entries keys [B, K, H, T] and values [B, K, T, H] of ``cache_dtype`` (fp32, or
-    bf16 held as uint16: :func:`attention.storage_dtype`; none past the end), then q [B, 1, K, G, H] attends over the row's first
-    ``lengths[b] + 1`` slots (clamped to [1, T]). Returns the output [B, 1, K, G, H] in q's dtype (computed in fp32)
-    and the updated keys and values (the same buffers, updated in place). Equals :func:`attention.write_slots`
-    then :func:`attention.attend_one_query`."""
+    ``lengths[b]`` (none past the end) of the raw cache entries keys [B, K, H, T] and values [B, K, T, H] of
+    ``cache_dtype`` (fp32, or bf16 held as uint16: :func:`attention.storage_dtype`), then q [B, 1, K, G, H] attends
+    over the row's first ``lengths[b] + 1`` slots (clamped to [1, T]). Returns the output [B, 1, K, G, H] in q's
+    dtype (computed in fp32) and the updated keys and values (the same buffers, updated in place). Equals
+    :func:`attention.write_slots` then :func:`attention.attend_one_query`."""
     if keys.dtype not in (jnp.float32, jnp.uint16) or values.dtype != keys.dtype:
         raise TypeError(f"decode_attention takes fp32 or bf16-bit (uint16) caches, got {keys.dtype}/{values.dtype}")
     _register()

@@ -2,12 +2,12 @@
 //
 // One query per row writes its new key and value into its row's cache and attends over the first limits[b] slots:
 // keys [B, K, H, T] and values [B, K, T, H], fp32 or bf16 bits (uint16), the layouts of agentgym_jax.attention,
-// updated in place (XLA aliases them to the outputs). XLA's own lowering of this step
-// copied the bf16 cache out as fp32 for every layer and step and read every slot of the window; this reads each
-// cache entry once, widens it in registers, and stops at each row's own length. With AVX-512, a head's queries
-// share each key and value vector loaded, their sums held in registers, and the next head's cache lines are asked
-// for while this one computes. Pure-JAX reference: agentgym_jax.attention.attend_one_query
-// (tests/test_native_kernels.py compares the two).
+// updated in place (XLA aliases them to the outputs). XLA's own lowering of this step copied the bf16 cache out as
+// fp32 for every layer and step, read every slot of the window, and scattered into the keys' strided layout; this
+// writes the new entries in place, reads each cache entry once, widens it in registers, and stops at each row's own
+// length. With AVX-512, a head's queries share each key and value vector loaded, their sums held in registers, and
+// the next head's cache lines are asked for while this one computes. Pure-JAX reference:
+// agentgym_jax.attention.write_slots then attend_one_query (tests/test_native_kernels.py compares them).
 
 #include <algorithm>
 #include <cmath>
@@ -267,13 +267,15 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const int64_t rows = key_dims[0], kv_heads = key_dims[1], head_dim = key_dims[2], slots = key_dims[3];
   if (value_dims[0] != rows || value_dims[1] != kv_heads || value_dims[2] != slots || value_dims[3] != head_dim ||
       q_dims[0] != rows || q_dims[1] != kv_heads || q_dims[3] != head_dim || limits.element_count() != rows ||
-      new_keys.element_count() != rows * kv_heads * head_dim || new_values.element_count() != rows * kv_heads * head_dim)
+      new_keys.element_count() != rows * kv_heads * head_dim ||
+      new_values.element_count() != rows * kv_heads * head_dim)
     return ffi::Error::InvalidArgument(
         "decode_attention: keys [B,K,H,T], values [B,K,T,H], q [B,K,G,H], new entries [B,K,H], limits [B]");
   const auto type = keys.element_type();
   if (values.element_type() != type || new_keys.element_type() != type || new_values.element_type() != type ||
       (type != ffi::F32 && type != ffi::U16))
-    return ffi::Error::InvalidArgument("decode_attention: caches and new entries must all be f32 or all u16 (bf16 bits)");
+    return ffi::Error::InvalidArgument(
+        "decode_attention: caches and new entries must all be f32 or all u16 (bf16 bits)");
   if (head_dim > 256) return ffi::Error::InvalidArgument("decode_attention: head dims up to 256");
   if (keys_out->untyped_data() != keys.untyped_data())  // XLA aliases them; a copy keeps this correct otherwise
     std::memcpy(keys_out->untyped_data(), keys.untyped_data(), keys.size_bytes());

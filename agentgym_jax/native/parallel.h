@@ -1,7 +1,9 @@
 // Splitting a custom call's work over XLA's intra-op thread pool; shared by the native kernels.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +17,14 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace agentgym {
+
+inline void CpuRelax() {  // a spin-wait's pause: lets the sibling hyper-thread run
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // Runs run(begin, end) over [0, items) in chunks on the calling thread and on tasks of XLA's intra-op pool. Each
 // chunk is claimed from an atomic counter, so the caller never waits for a task that has not started (the pool's
@@ -44,7 +54,7 @@ struct Job {
   void Wait() {
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicroseconds);
     while (finished.load(std::memory_order_acquire) < chunks) {
-      for (int i = 0; i < 64; ++i) _mm_pause();
+      for (int i = 0; i < 64; ++i) CpuRelax();
       if (std::chrono::steady_clock::now() > give_up) {
         std::unique_lock<std::mutex> lock(mutex);
         done.wait(lock, [&] { return finished.load(std::memory_order_acquire) == chunks; });
