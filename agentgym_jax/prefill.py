@@ -128,4 +128,4 @@ def write_back(full: KVCache, view: KVCache) -> KVCache:
 def limit_window(cache: KVCache, window: int) -> KVCache:
     """The cache with attention limited to its first ``window`` slots, not copied: the layers write into the whole
     cache and read a slice of it (a prefill's copied-out windows cost about as much as its attention)."""
-    return dataclasses.replace(cache, window=window if window < cache.capacity else None)
+    return dataclasses.replace(cache, window=window)

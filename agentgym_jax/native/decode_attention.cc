@@ -241,10 +241,9 @@ void WriteAndAttendHeads(const float* q, void* keys, void* values, const void* n
     for (int64_t h = 0; h < head_dim; ++h) k[(item * head_dim + h) * slots + slot] = new_k[item * head_dim + h];
     std::memcpy(v + (item * slots + slot) * head_dim, new_v + item * head_dim, head_dim * sizeof(Raw));
   };
-  if (begin < end) write(begin);
+  for (int64_t i = begin; i < end; ++i) write(i);  // before any read: the next head's lines are read ahead
   for (int64_t i = begin; i < end; ++i) {  // i = row * kv_heads + head
     const bool last = i + 1 == end;  // the next head's cache is read ahead while this one computes
-    if (!last) write(i + 1);
     AttendHeadAnyWidth(q + i * groups * head_dim, k + i * head_dim * slots, v + i * slots * head_dim, groups,
                        head_dim, slots, length(i), scale, scores.data(), out + i * groups * head_dim,
                        last ? nullptr : k + (i + 1) * head_dim * slots, last ? nullptr : v + (i + 1) * slots * head_dim,
