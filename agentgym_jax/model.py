@@ -239,7 +239,9 @@ class Attention(nnx.Module):
         allowed = key_slots[None, None, :] <= query_slots[:, :, None]  # [B, S, T]
         if segments is not None:  # teacher-forced packed rows (no cache): S == T
             allowed = allowed & segments.allowed()
-        if s == 1:
+        if s > 1 and native_kernels.amx_attention_applies(q, k, v):
+            attend = native_kernels.amx_attention
+        elif s == 1:
             attend = attention.attend_one_query
         else:  # a teacher-forced row (no cache) attends to its own keys, causally
             attend = attention.attend if layer_cache is not None else attention.attend_causal

@@ -60,9 +60,15 @@ class Kernel:
 
 
 DECODE_ATTENTION = Kernel("decode_attention", "AgentgymDecodeAttention", "agentgym_decode_attention")
-AMX_MATMUL = Kernel("amx_matmul", "AgentgymAmxMatmul", "agentgym_amx_matmul", ("-mamx-tile", "-mamx-bf16"))
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
+AMX_MATMUL = Kernel("amx_matmul", "AgentgymAmxMatmul", "agentgym_amx_matmul", AMX_FLAGS)
+AMX_ATTENTION_FORWARD = Kernel("amx_attention", "AgentgymAmxAttentionForward", "agentgym_amx_attention_forward",
+                               AMX_FLAGS)
+AMX_ATTENTION_BACKWARD = Kernel("amx_attention", "AgentgymAmxAttentionBackward", "agentgym_amx_attention_backward",
+                                AMX_FLAGS)
+AMX_ATTENTION_HEAD_DIM = 64  # the only head dimension amx_attention's tiles are laid out for
 TARGET = DECODE_ATTENTION.target
-SHARED_HEADERS = (NATIVE_DIR / "parallel.h",)
+SHARED_HEADERS = tuple(NATIVE_DIR / name for name in ("parallel.h", "vector_math.h", "amx.h"))
 
 _registered: set[str] = set()
 
@@ -173,6 +179,49 @@ def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Arra
     return call(rows, w, transposed=transposed).reshape(*x.shape[:-1], outputs)
 
 
+def amx_attention_applies(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether :func:`amx_attention` computes the attention of q [B, S, K, G, H] over k [B, K, H, T] and v
+    [B, K, T, H] in a program traced now: bf16 operands, a head dimension of :data:`AMX_ATTENTION_HEAD_DIM`, native
+    kernels enabled (:func:`enabled`) on a CPU with AMX (:func:`amx_available`)."""
+    return (q.ndim == 5 and q.shape[-1] == AMX_ATTENTION_HEAD_DIM
+            and all(x.dtype == jnp.bfloat16 for x in (q, k, v)) and enabled() and amx_available())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def amx_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
+    """Softmax attention of bf16 q [B, S, K, G, 64] over keys k [B, K, 64, T] and values v [B, K, T, 64] where
+    ``allowed`` [B, S, T] (bool), on AMX tiles, with FlashAttention's backward pass (the conditions:
+    :func:`amx_attention_applies`). Equals :func:`attention.attend_in_blocks` (fp32 scores and softmax, bf16
+    probabilities times values), except that a query with no allowed key gets zeros."""
+    return _amx_attention_forward(q, k, v, allowed, scale)[0]
+
+
+def _amx_attention_forward(q, k, v, allowed, scale):
+    _register(AMX_ATTENTION_FORWARD)
+    b, s, kv, g, _ = q.shape
+    call = jax.ffi.ffi_call(AMX_ATTENTION_FORWARD.target, (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+                                                           jax.ShapeDtypeStruct((b, kv, g, s), jnp.float32)))
+    return call(q, k, v, allowed.astype(jnp.bool_), scale=np.float32(scale))
+
+
+def _amx_attention_fwd(q, k, v, allowed, scale):
+    out, lse = _amx_attention_forward(q, k, v, allowed, scale)
+    return out, (q, k, v, allowed, out, lse)
+
+
+def _amx_attention_bwd(scale, residuals, d_out):
+    q, k, v, allowed, out, lse = residuals
+    _register(AMX_ATTENTION_BACKWARD)
+    call = jax.ffi.ffi_call(AMX_ATTENTION_BACKWARD.target,
+                            tuple(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q, k, v)))
+    d_q, d_k, d_v = call(q, k, v, allowed.astype(jnp.bool_), out, lse, d_out.astype(jnp.bfloat16),
+                         scale=np.float32(scale))
+    return d_q, d_k, d_v, None
+
+
+amx_attention.defvjp(_amx_attention_fwd, _amx_attention_bwd)
+
+
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
                      lengths: jax.Array, scale: float, cache_dtype: object) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's cache write and attention: writes row b's ``new_keys`` and ``new_values`` [B, 1, K, H] at slot
@@ -199,3 +248,4 @@ if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
     print(build(DECODE_ATTENTION))
     if amx_available():
         print(build(AMX_MATMUL))
+        print(build(AMX_ATTENTION_FORWARD))

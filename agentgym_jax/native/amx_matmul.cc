@@ -11,35 +11,23 @@
 // reference: the fp32-accumulated dot in agentgym_jax.mixed_matmul (tests/test_native_kernels.py compares them).
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <vector>
 
+#include "amx.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-// Linux hands out the AMX tile state only to processes that ask for it once; 1 when granted.
-extern "C" int AgentgymAmxReady() {
-  constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  static const int ready = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0 ? 1 : 0;
-  return ready;
-}
+// 1 when the OS grants this process AMX tiles (asked once).
+extern "C" int AgentgymAmxReady() { return agentgym::AmxGranted() ? 1 : 0; }
 
 namespace {
 
 // x rows per tile, per call (two groups of tiles) and k rows and output columns per panel step
 constexpr int64_t kTileRows = 16, kMaxRows = 32, kBlock = 32;
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // x's rows go in two groups of at most 16 (one tile each): m0 = min(m, 16) and m1 = m - m0 (0: one group).
 // x @ w: tiles 0 and 1 hold group 0's output halves (16 columns each, fp32), 2 group 0's x block; 5, 6 and 7 the
@@ -47,12 +35,9 @@ struct alignas(64) TileConfig {
 // x @ w^T: tiles 0 and 1 hold y^T for two 16-row blocks of w against group 0 (16 x m0 fp32), 5 and 6 against
 // group 1; 2 and 3 those blocks of w; 4 and 7 the two groups' x^T blocks.
 void ConfigureTiles(int64_t m, bool transposed) {
-  TileConfig config;
+  agentgym::TileConfig config;
   const int64_t m0 = m < kTileRows ? m : kTileRows, m1 = m - m0;
-  const auto set = [&](int tile, int64_t rows, int64_t bytes) {
-    config.rows[tile] = static_cast<uint8_t>(rows);
-    config.bytes_per_row[tile] = static_cast<uint16_t>(bytes);
-  };
+  const auto set = [&](int tile, int64_t rows, int64_t bytes) { config.Set(tile, rows, bytes); };
   if (transposed) {
     for (int tile : {0, 1, 4}) set(tile, 16, 4 * m0);
     for (int tile : {2, 3}) set(tile, 16, 64);

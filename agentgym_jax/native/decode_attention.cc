@@ -20,6 +20,7 @@
 #endif
 
 #include "parallel.h"
+#include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -36,17 +37,9 @@ inline float Widen(uint16_t bits) {  // bf16 bits are the top half of the same f
 }
 
 #ifdef __AVX512F__
-// e^x for 16 lanes: x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error
-// below 2e-7), times 2^k by scalef, which also takes very negative x to 0.
-inline __m512 Exp16(__m512 x) {
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, k);
-}
+using agentgym::Exp16;
+using agentgym::Lanes;
+using agentgym::Load16;
 #endif
 
 // s[t] = exp(s[t] - max(s)) for t < n; returns their sum.
@@ -73,14 +66,6 @@ inline float SoftmaxNumerators(float* s, int64_t n) {
 }
 
 #ifdef __AVX512F__
-inline __mmask16 Lanes(int64_t left) {  // the first min(left, 16) lanes
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(left, 0)) - 1);
-}
-inline __m512 Load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
-inline __m512 Load16(const uint16_t* p, __mmask16 lanes) {  // bf16 bits widened: shifted into the top half
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
-}
-
 // Walks a strided region (rows of `bytes` bytes, `stride` bytes apart) one cache line per step(), asking for each
 // line ahead of use: the next head's keys and values are read while this head computes (their rows are short and
 // far apart, so the hardware prefetchers start late and a core otherwise waits on each line).

@@ -1,0 +1,34 @@
+// AVX-512 helpers shared by the native kernels: exponentials and bf16 loads and stores.
+#pragma once
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace agentgym {
+
+// e^x for 16 lanes: x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error
+// below 2e-7), times 2^k by scalef, which also takes very negative x to 0.
+inline __m512 Exp16(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline __mmask16 Lanes(int64_t left) {  // the first min(left, 16) lanes
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (left > 0 ? left : 0)) - 1);
+}
+
+inline __m512 Load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+
+inline __m512 Load16(const uint16_t* p, __mmask16 lanes) {  // bf16 bits widened: shifted into the top half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+
+}  // namespace agentgym
+#endif
