@@ -87,6 +87,23 @@ void Transpose(const Bits* src, int64_t rows, int64_t cols, int64_t stride, Bits
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * stride + c];
 }
 
+// dst[c][r] = src[r][c] for a matrix of 32-bit elements src [rows, cols] (row stride src_stride), c < cols, r <
+// dst_stride (a multiple of 16; zeros past `rows`), by gathers: a bf16 matrix packed in pairs transposes this way.
+void Transpose32(const void* src_in, int64_t src_stride, int64_t rows, int64_t cols, void* dst_in,
+                 int64_t dst_stride) {
+  const auto* src = static_cast<const int*>(src_in);
+  auto* dst = static_cast<int*>(dst_in);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t r0 = 0; r0 < dst_stride; r0 += 16) {
+    const __mmask16 valid = Lanes(rows - r0);
+    const __m512i index = _mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(r0))),
+                                             _mm512_set1_epi32(static_cast<int>(src_stride)));
+    for (int64_t c = 0; c < cols; ++c)
+      _mm512_storeu_si512(dst + c * dst_stride + r0,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, index, src + c, 4));
+  }
+}
+
 inline void StoreBf16(Bits* dst, __m512 x) {  // 16 fp32 lanes rounded to bf16 (nearest even, as XLA's convert)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
 }
@@ -247,44 +264,42 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
         _tile_loadd(1, query + 32, kHead * 2);
         TileScores(head.keys_t.data(), d.padded_keys, lo, hi, scores.data());
         asm volatile("" ::: "memory");
+        const __m512 scale16 = _mm512_set1_ps(scale);
+        float normalizer[kRows];  // 1 / the softmax's denominator: the products use unnormalized numerators
         for (int64_t i = 0; i < kRows; ++i) {
           const int64_t s = s0 + i;
-          float* row = scores.data() + i * d.padded_keys;
+          const float* row = scores.data() + i * d.padded_keys;
           Bits* p = probs.data() + i * d.padded_keys;
-          if (s >= d.queries) {
+          normalizer[i] = 0.0f;
+          const bool* a = row_allowed + s * t;
+          __m512 top16 = _mm512_set1_ps(-INFINITY);
+          if (s < d.queries)
+            for (int64_t j = lo; j < hi; j += 16)
+              top16 = _mm512_mask_max_ps(top16, AllowedLanes(a, j, t), top16, _mm512_loadu_ps(row + j));
+          const float top = _mm512_reduce_max_ps(top16) * scale;  // the largest scaled score
+          if (top == -INFINITY) {  // a padding row, or no allowed key
             std::fill(p + lo, p + hi, 0);
+            if (s < d.queries) lp[d.LseOffset(b, k, g) + s] = -INFINITY;
             continue;
           }
-          const bool* a = row_allowed + s * t;
-          const __m512 scale16 = _mm512_set1_ps(scale);
-          __m512 top16 = _mm512_set1_ps(-INFINITY);
+          __m512 sum = _mm512_setzero_ps();
+          const __m512 shift = _mm512_set1_ps(top);
           for (int64_t j = lo; j < hi; j += 16) {
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + j), scale16);
-            _mm512_storeu_ps(row + j, x);
-            top16 = _mm512_mask_max_ps(top16, AllowedLanes(a, j, t), top16, x);
+            const __m512 e = _mm512_maskz_mov_ps(AllowedLanes(a, j, t),
+                                                 Exp16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), scale16, shift)));
+            StoreBf16(p + j, e);
+            sum = _mm512_add_ps(sum, e);
           }
-          const float top = _mm512_reduce_max_ps(top16);
-          float total = 0.0f;
-          if (top != -INFINITY) {
-            __m512 sum = _mm512_setzero_ps();
-            const __m512 shift = _mm512_set1_ps(top);
-            for (int64_t j = lo; j < hi; j += 16) {
-              const __m512 e = _mm512_maskz_mov_ps(AllowedLanes(a, j, t),
-                                                   Exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift)));
-              _mm512_storeu_ps(row + j, e);
-              sum = _mm512_add_ps(sum, e);
-            }
-            total = _mm512_reduce_add_ps(sum);
-          }
-          const __m512 total16 = _mm512_set1_ps(total);
-          for (int64_t j = lo; j < hi; j += 16)
-            StoreBf16(p + j, total > 0.0f ? _mm512_div_ps(_mm512_loadu_ps(row + j), total16) : _mm512_setzero_ps());
-          lp[d.LseOffset(b, k, g) + s] = total > 0.0f ? top + std::log(total) : -INFINITY;
+          const float total = _mm512_reduce_add_ps(sum);
+          normalizer[i] = 1.0f / total;
+          lp[d.LseOffset(b, k, g) + s] = top + std::log(total);
         }
         TileTimesPacked(probs.data(), head.values.data(), d.padded_keys, lo, hi, result);
         for (int64_t i = 0; i < kRows && s0 + i < d.queries; ++i) {
           Bits* o = op + d.QueryOffset(b, s0 + i, k, g);
-          for (int64_t h = 0; h < kHead; h += 16) StoreBf16(o + h, _mm512_loadu_ps(result + i * kHead + h));
+          const __m512 norm = _mm512_set1_ps(normalizer[i]);
+          for (int64_t h = 0; h < kHead; h += 16)
+            StoreBf16(o + h, _mm512_mul_ps(_mm512_loadu_ps(result + i * kHead + h), norm));
         }
       }
     }
@@ -322,14 +337,15 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
   agentgym::Parallel(pool, d.batch * d.kv_heads, [&](int64_t begin, int64_t end) {
     ConfigureTiles();
     PackedHead head(d);  // keys^T in pairs of the head dim (scores); values in pairs of keys (unused here)
-    std::vector<Bits> values_t(kHead * t), keys_rows(t * kHead);
+    std::vector<Bits> keys_rows(t * kHead);  // K [T, 64], for an odd T
     std::vector<Bits> values_t_pairs(32 * pk * 2), keys_pairs(pk * kHead);
     std::vector<float> probs(kQueryBlock * pk), d_probs(kQueryBlock * pk);
     std::vector<Bits> probs_bf16(kQueryBlock * pk, 0), d_scores(kQueryBlock * pk, 0);
     std::vector<Bits> probs_pairs(16 * pk * 2), d_scores_pairs(16 * pk * 2);
     std::vector<float> d_keys_t(kHead * pk), d_values_t(kHead * pk);  // [64][padded keys] fp32 accumulators
     alignas(64) Bits query[kQueryBlock * kHead], grad[kQueryBlock * kHead];
-    alignas(64) Bits query_t[kHead * kQueryBlock], grad_t[kHead * kQueryBlock];
+    alignas(64) Bits query_t[kHead * kQueryBlock], grad_t[kHead * kQueryBlock], row_pairs[kQueryBlock * kHead];
+    std::vector<float> d_values(t * kHead);
     alignas(64) float result[kRows * kHead];
     float delta[kQueryBlock];
     for (int64_t unit = begin; unit < end; ++unit) {
@@ -337,10 +353,15 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
       const Bits* keys_t = kp + unit * kHead * t;  // [64, T]
       const Bits* values_in = vp + unit * t * kHead;  // [T, 64]
       PackPairs(keys_t, kHead, t, t, kHead, pk, 0, pk, head.keys_t.data());
-      Transpose(values_in, t, kHead, kHead, values_t.data());
-      PackPairs(values_t.data(), kHead, t, t, kHead, pk, 0, pk, values_t_pairs.data());
-      Transpose(keys_t, kHead, t, t, keys_rows.data());
-      PackPairs(keys_rows.data(), t, kHead, kHead, pk, kHead, 0, kHead, keys_pairs.data());
+      // V^T in pairs of the head dim: V's rows read as 32 pairs each, transposed
+      Transpose32(values_in, kHead / 2, t, kHead / 2, values_t_pairs.data(), pk);
+      if (t % 2 == 0) {  // K in pairs of keys: K^T's rows read as pairs of keys, transposed
+        std::fill(keys_pairs.begin() + t * kHead, keys_pairs.end(), 0);
+        Transpose32(keys_t, t / 2, kHead, t / 2, keys_pairs.data(), kHead);
+      } else {
+        Transpose(keys_t, kHead, t, t, keys_rows.data());
+        PackPairs(keys_rows.data(), t, kHead, kHead, pk, kHead, 0, kHead, keys_pairs.data());
+      }
       std::fill(d_keys_t.begin(), d_keys_t.end(), 0.0f);
       std::fill(d_values_t.begin(), d_values_t.end(), 0.0f);
       const bool* row_allowed = ap + b * d.queries * t;
@@ -369,8 +390,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
               sum = _mm512_fmadd_ps(Load16(dop + at + h, 0xFFFF), Load16(outp + at + h, 0xFFFF), sum);
             delta[i] = _mm512_reduce_add_ps(sum);
           }
-          Transpose(query, kQueryBlock, kHead, kHead, query_t);
-          Transpose(grad, kQueryBlock, kHead, kHead, grad_t);
+          for (auto [rows, rows_t] : {std::pair{query, query_t}, std::pair{grad, grad_t}}) {  // [32, 64] -> [64, 32]
+            PackPairs(rows, kQueryBlock, kHead, kHead, kQueryBlock, kHead, 0, kHead, row_pairs);
+            Transpose32(row_pairs, kHead, kQueryBlock / 2, kHead, rows_t, kQueryBlock / 2);
+          }
           for (int64_t half = 0; half < 2; ++half) {  // scores and dP = dO V^T, 16 queries at a time
             const int64_t row0 = half * kRows;
             _tile_loadd(0, query + row0 * kHead, kHead * 2);
@@ -398,8 +421,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
             const __m512 shift = _mm512_set1_ps(row_lse), delta16 = _mm512_set1_ps(delta[i]);
             for (int64_t j = lo; j < hi; j += 16) {
               const __mmask16 lanes = row_lse == -INFINITY ? 0 : AllowedLanes(a, j, t);
-              const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + j), scale16);
-              const __m512 prob = _mm512_maskz_mov_ps(lanes, Exp16(_mm512_sub_ps(x, shift)));
+              const __m512 prob = _mm512_maskz_mov_ps(lanes, Exp16(_mm512_fmsub_ps(_mm512_loadu_ps(p + j), scale16,
+                                                                                shift)));
               StoreBf16(p16 + j, prob);
               const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(prob, _mm512_sub_ps(_mm512_loadu_ps(dp + j), delta16)),
                                               scale16);
@@ -431,12 +454,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
           _mm256_mask_storeu_epi16(dk + h * t + j, lanes, bits);
         }
       }
-      for (int64_t j = 0; j < t; ++j)
-        for (int64_t h = 0; h < kHead; h += 16) {
-          alignas(64) float column[16];
-          for (int i = 0; i < 16; ++i) column[i] = d_values_t[(h + i) * pk + j];
-          StoreBf16(dv + j * kHead + h, _mm512_load_ps(column));
-        }
+      Transpose32(d_values_t.data(), pk, kHead, t, d_values.data(), kHead);
+      for (int64_t j = 0; j < t * kHead; j += 16) StoreBf16(dv + j, _mm512_loadu_ps(d_values.data() + j));
     }
     _tile_release();
   });
