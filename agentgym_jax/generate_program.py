@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from agentgym_jax import prefill
+from agentgym_jax import native_kernels, prefill
 from agentgym_jax.model import KVCache
 from agentgym_jax.token_draws import draw_tokens
 
@@ -119,6 +119,7 @@ def generate_program(
         return dict(step=c["step"] + 1, cache=cache, feed=token, feeding=running, reason=reason, tokens=tokens,
                     logprobs=logprobs, count=count, recent=recent)
 
-    out = jax.lax.while_loop(cond, body, carry)
+    with native_kernels.packed_projections():  # the loop's projections read weights packed once, before it
+        out = jax.lax.while_loop(cond, body, carry)
     return (prefill.write_back(full_cache, out["cache"]), out["tokens"], out["logprobs"], out["count"] - drawn,
             out["reason"], out["feed"], out["recent"], out["feeding"])

@@ -8,8 +8,9 @@ cotangent to the operands' dtype first, as mixed-precision training does in torc
 products are bf16 x bf16 with fp32 accumulation. With fp32 operands nothing changes.
 
 On CPUs with AMX, a bf16 product of at most 32 rows (a decode step's projections) runs
-:func:`native_kernels.amx_matmul` instead of XLA's dot (:func:`native_kernels.amx_matmul_applies`); its gradients
-stay XLA products.
+:func:`native_kernels.amx_matmul` instead of XLA's dot (:func:`native_kernels.amx_matmul_applies`), or, inside
+:func:`native_kernels.packed_projections` (the generate program's decode loop), :func:`native_kernels.amx_matmul_packed`
+on weights packed once per program call; its gradients stay XLA products.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from agentgym_jax import native_kernels
 def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
     """fp32 ``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis."""
     if native_kernels.amx_matmul_applies(x, w, transposed):
+        if not transposed and native_kernels.packing_projections():
+            return native_kernels.amx_matmul_packed(x, native_kernels.pack_for_amx(w))
         return native_kernels.amx_matmul(x, w, transposed)
     w_axis = 1 if transposed else 0
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())), preferred_element_type=jnp.float32)

@@ -204,3 +204,54 @@ def test_a_bf16_model_runs_its_projections_on_the_kernel_with_the_pure_jax_logit
     np.testing.assert_allclose(logits["1"], logits["0"], atol=2e-2 * np.abs(logits["0"]).max())
     _use_native_kernels(monkeypatch, "1")
     assert _amx_calls(forward, state, jnp.ones((1, 33), jnp.int32)) == 0  # a prompt of 33 tokens: XLA's dots
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,k,n", [(1, 32, 32), (8, 576, 192), (17, 64, 96), (32, 1536, 64)])
+def test_packed_weights_give_the_unpacked_kernels_products_exactly(rows, k, n):
+    rng = np.random.RandomState(rows + k + n)
+    x = jnp.asarray(rng.randn(rows, k), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(k, n) * 0.1, jnp.bfloat16)
+    packed = np.asarray(jax.jit(native_kernels.pack_for_amx)(w)).view(np.uint16)
+    bits = np.asarray(w).view(np.uint16)
+    # panel p, k block b, half h, pair row r, lane c, j: w[32 b + 2 r + j, 32 p + 16 h + c]
+    expected = bits.reshape(k // 32, 16, 2, n // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2)
+    np.testing.assert_array_equal(packed, expected)
+    ours = jax.jit(lambda x, w: native_kernels.amx_matmul_packed(x, native_kernels.pack_for_amx(w)))(x, w)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(jax.jit(native_kernels.amx_matmul)(x, w)))
+
+
+@needs_amx
+def test_a_loop_packs_its_weights_once_before_it_and_a_single_product_not_at_all(monkeypatch):
+    _use_native_kernels(monkeypatch, "1")
+    w = jnp.asarray(np.random.RandomState(0).randn(64, 64) * 0.1, jnp.bfloat16)
+
+    def steps(x, w):
+        with native_kernels.packed_projections():
+            return jax.lax.fori_loop(0, 4, lambda i, x: mixed_dot(x, w), x)
+
+    hlo = jax.jit(steps).lower(jnp.ones((8, 64), jnp.bfloat16), w).compile().as_text()
+    body = next(part for part in hlo.split("\n\n") if native_kernels.AMX_MATMUL_PACKED.target in part)
+    assert native_kernels.AMX_PACK.target not in body  # the product is in the loop body, its packing is not
+    assert hlo.count(f'custom_call_target="{native_kernels.AMX_PACK.target}"') == 1
+    assert _amx_calls(lambda x, w: mixed_dot(x, w), jnp.ones((8, 64), jnp.bfloat16), w) == 1  # unpacked kernel
+    assert native_kernels.AMX_PACK.target not in jax.jit(lambda x, w: mixed_dot(x, w)).lower(
+        jnp.ones((8, 64), jnp.bfloat16), w).as_text()
+
+
+@needs_amx
+def test_bf16_sampling_on_packed_weights_gives_the_unpacked_kernels_tokens(tmp_path_factory, monkeypatch):
+    _use_native_kernels(monkeypatch, "1")
+    _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
+    model = hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16")
+    outputs = []
+    for packing in (True, False):
+        monkeypatch.setattr(native_kernels, "packing_projections", lambda packing=packing: packing)
+        jax.clear_caches()
+        sampler = Sampler(model, SamplerConfig(cache_length=64))
+        _, out = sampler.generate(sampler.new_state(2), [[7] * 20 + [5], [9] * 25 + [6]], jax.random.PRNGKey(0),
+                                  SamplingParams(temperature=1.0, max_new_tokens=8))
+        outputs.append(out)
+    assert outputs[0].tokens == outputs[1].tokens and len(outputs[0].tokens[0]) == 8
+    for a, b in zip(outputs[0].logprobs, outputs[1].logprobs):
+        np.testing.assert_array_equal(a, b)

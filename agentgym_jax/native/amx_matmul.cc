@@ -197,9 +197,108 @@ ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// y[:, 32 p0 : 32 p1] for x [M, K] and w packed by panels: packed[p][kb] holds w[32 kb : 32 kb + 32, 32 p : 32 p + 32]
+// as two 16-column halves in the tiles' pair layout ([2][16][16][2], 2 KB), so each panel reads one contiguous
+// stream and keeps its output in tiles across all of K.
+template <bool kTwoGroups>
+void PackedPanels(const uint16_t* x, const uint16_t* packed, int64_t k_size, int64_t n, int64_t p0, int64_t p1,
+                  float* y) {
+  const int64_t k_blocks = k_size / kBlock;
+  const uint16_t* x1 = x + kTileRows * k_size;
+  float* y1 = y + kTileRows * n;
+  for (int64_t p = p0; p < p1; ++p) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (kTwoGroups) {
+      _tile_zero(5);
+      _tile_zero(6);
+    }
+    const uint16_t* block = packed + p * k_blocks * 2 * 512;
+    for (int64_t kb = 0; kb < k_blocks; ++kb, block += 1024) {
+      _tile_loadd(2, x + kb * kBlock, k_size * 2);
+      _tile_loadd(3, block, 64);
+      _tile_loadd(4, block + 512, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+      if (kTwoGroups) {
+        _tile_loadd(7, x1 + kb * kBlock, k_size * 2);
+        _tile_dpbf16ps(5, 7, 3);
+        _tile_dpbf16ps(6, 7, 4);
+      }
+    }
+    _tile_stored(0, y + p * kBlock, n * 4);
+    _tile_stored(1, y + p * kBlock + 16, n * 4);
+    if (kTwoGroups) {
+      _tile_stored(5, y1 + p * kBlock, n * 4);
+      _tile_stored(6, y1 + p * kBlock + 16, n * 4);
+    }
+  }
+}
+
+// packed [N/32, K/32, 2, 16, 16, 2] for PackedPanels from w [K, N]: block (p, kb), half h, row r, lane c holds
+// (w[32 kb + 2r, 32 p + 16 h + c], w[32 kb + 2r + 1, 32 p + 16 h + c]).
+ffi::Error AmxPack(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> packed) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 2 || wd[0] % kBlock || wd[1] % kBlock)
+    return ffi::Error::InvalidArgument("amx_pack: w [K, N] with K and N multiples of 32 expected");
+  const int64_t k_size = wd[0], n = wd[1], k_blocks = k_size / kBlock;
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  auto* out = reinterpret_cast<uint16_t*>(packed->untyped_data());
+  agentgym::Parallel(pool, k_blocks, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t pick_low[32], pick_high[32];
+    for (int c = 0; c < 16; ++c) {
+      pick_low[2 * c] = c, pick_low[2 * c + 1] = 32 + c;
+      pick_high[2 * c] = 16 + c, pick_high[2 * c + 1] = 48 + c;
+    }
+    const __m512i to_low = _mm512_load_si512(pick_low), to_high = _mm512_load_si512(pick_high);
+    for (int64_t kb = begin; kb < end; ++kb)
+      for (int r = 0; r < 16; ++r) {
+        const uint16_t* even = wp + (kb * kBlock + 2 * r) * n;
+        const uint16_t* odd = even + n;
+        for (int64_t p = 0; p < n / kBlock; ++p) {
+          const __m512i e = _mm512_loadu_si512(even + p * kBlock), o = _mm512_loadu_si512(odd + p * kBlock);
+          uint16_t* block = out + (p * k_blocks + kb) * 1024 + r * 32;
+          _mm512_storeu_si512(block, _mm512_permutex2var_epi16(e, to_low, o));
+          _mm512_storeu_si512(block + 512, _mm512_permutex2var_epi16(e, to_high, o));
+        }
+      }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error AmxMatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), pd = packed.dimensions();
+  if (xd.size() != 2 || pd.size() != 6 || pd[1] * kBlock != xd[1])
+    return ffi::Error::InvalidArgument("amx_matmul_packed: x [M, K] and w packed [N/32, K/32, 2, 16, 16, 2]");
+  const int64_t m = xd[0], k_size = xd[1], n = pd[0] * kBlock;
+  if (m < 1 || m > kMaxRows) return ffi::Error::InvalidArgument("amx_matmul_packed: needs 1 <= M <= 32");
+  if (!AgentgymAmxReady()) return ffi::Error::Internal("amx_matmul: the OS did not grant this process AMX tiles");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.untyped_data());
+  float* yp = y->typed_data();
+  agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
+    ConfigureTiles(m, false);
+    if (m > kTileRows)
+      PackedPanels<true>(xp, wp, k_size, n, begin, end, yp);
+    else
+      PackedPanels<false>(xp, wp, k_size, n, begin, end, yp);
+    _tile_release();
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxMatmul, AmxMatmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>().Attr<bool>("transposed")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxMatmulPacked, AmxMatmulPacked,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxPack, AmxPack,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
