@@ -7,7 +7,10 @@
   row's own slots (a decode step at batch 32 in bf16: 99 -> 82 ms on a 2-core Xeon, ``benchmarks/sampler.py``).
 - :func:`amx_matmul` (``native/amx_matmul.cc``): bf16 projections of at most 32 rows (decode steps) on Intel AMX
   tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and an
-  OS that grants it).
+  OS that grants it). Inside :func:`packed_projections` (the generate program's decode loop) the same products
+  read weights packed once per call (:func:`pack_for_amx`, :func:`amx_matmul_packed`).
+- :func:`amx_attention` (``native/amx_attention.cc``): bf16 attention of many queries (training rows, prompt
+  prefill) on AMX tiles, forward and backward, where :func:`amx_attention_applies`.
 
 Each source is compiled on first use with the system's C++ compiler (``$CXX``, default ``g++``; ``make setup``
 installs it and builds the kernels) into ``<cache>/native`` (``$AGENTGYM_JAX_CACHE``), one file per source,
@@ -19,6 +22,7 @@ kernels do not split across devices), the model keeps its pure-JAX path.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import fcntl
@@ -182,7 +186,7 @@ def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Arra
     return call(rows, w, transposed=transposed).reshape(*x.shape[:-1], outputs)
 
 
-_packing_depth = 0
+_packing = contextvars.ContextVar("agentgym_jax_packed_projections", default=False)
 
 
 @contextlib.contextmanager
@@ -190,17 +194,16 @@ def packed_projections():
     """Within it, products that :func:`amx_matmul` would run are traced as :func:`amx_matmul_packed` of
     :func:`pack_for_amx` (w): for loops that run the same weights many times (the generate program's decode steps),
     whose packing XLA hoists out of the loop (tested); a single product would pay a whole pass over w to pack it."""
-    global _packing_depth
-    _packing_depth += 1
+    token = _packing.set(True)
     try:
         yield
     finally:
-        _packing_depth -= 1
+        _packing.reset(token)
 
 
 def packing_projections() -> bool:
     """Whether a product traced now is inside :func:`packed_projections`."""
-    return _packing_depth > 0
+    return _packing.get()
 
 
 def pack_for_amx(w: jax.Array) -> jax.Array:
