@@ -11,7 +11,7 @@
 // are first packed into the tiles' pair layout (two bf16 of consecutive contraction index per fp32 lane), once per
 // kv head. The backward pass is FlashAttention's: probabilities recomputed from the saved log-sum-exp, key and value
 // gradients accumulated in fp32 per kv head. Pure-JAX reference: agentgym_jax.attention.attend_in_blocks
-// (tests/test_native_kernels.py compares them); a row with no allowed key gets zeros here.
+// (tests/test_amx_attention.py compares them); a row with no allowed key gets zeros here.
 
 #include <immintrin.h>
 
