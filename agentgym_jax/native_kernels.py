@@ -231,7 +231,11 @@ def amx_attention_applies(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether :func:`amx_attention` computes the attention of q [B, S, K, G, H] over k [B, K, H, T] and v
     [B, K, T, H] in a program traced now: bf16 operands, a head dimension of :data:`AMX_ATTENTION_HEAD_DIM`, native
     kernels enabled (:func:`enabled`) on a CPU with AMX (:func:`amx_available`)."""
-    return (q.ndim == 5 and q.shape[-1] == AMX_ATTENTION_HEAD_DIM
+    if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
+        return False
+    b, _, kv, _, h = q.shape
+    t = k.shape[-1]
+    return (h == AMX_ATTENTION_HEAD_DIM and k.shape == (b, kv, h, t) and v.shape == (b, kv, t, h)
             and all(x.dtype == jnp.bfloat16 for x in (q, k, v)) and enabled() and amx_available())
 
 
@@ -239,8 +243,10 @@ def amx_attention_applies(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
 def amx_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
     """Softmax attention of bf16 q [B, S, K, G, 64] over keys k [B, K, 64, T] and values v [B, K, T, 64] where
     ``allowed`` [B, S, T] (bool), on AMX tiles, with FlashAttention's backward pass (the conditions:
-    :func:`amx_attention_applies`). Equals :func:`attention.attend_in_blocks` (fp32 scores and softmax, bf16
-    probabilities times values), except that a query with no allowed key gets zeros."""
+    :func:`amx_attention_applies`; ``allowed`` must be the full [B, S, T], not a broadcast). Equals
+    :func:`attention.attend_in_blocks` up to bf16 rounding (fp32 scores and softmax; the values are multiplied by
+    the bf16 unnormalized exponentials and each output divided by their fp32 sum, where the pure-JAX path rounds the
+    normalized probabilities), except that a query with no allowed key gets zeros."""
     return _amx_attention_forward(q, k, v, allowed, scale)[0]
 
 

@@ -58,12 +58,21 @@ def test_kernel_equals_the_pure_jax_attention_and_its_gradients(batch, queries, 
 
 def test_a_query_with_no_allowed_key_gets_zeros_and_no_gradient():
     q, k, v, allowed, d_out = _case(1, 48, 2, 2)
-    allowed = allowed.at[0, 20].set(False).at[0, 40:].set(False)
+    allowed = allowed.at[0, 20].set(False).at[0, 32:].set(False)  # a 16-query tile with no readable key at all
     out, d_q, d_k, d_v = _value_and_grads(native_kernels.amx_attention, q, k, v, allowed, d_out)
-    assert not out[0, 20].any() and not out[0, 40:].any() and not d_q[0, 20].any() and not d_q[0, 40:].any()
+    assert not out[0, 20].any() and not out[0, 32:].any() and not d_q[0, 20].any() and not d_q[0, 32:].any()
     pure = _value_and_grads(attention.attend_in_blocks, q, k, v, allowed, d_out)[0]
     np.testing.assert_allclose(out[0, :20], pure[0, :20], atol=1.6e-2 * np.abs(pure).max())
     assert np.abs(d_k).max() > 0.1 and np.abs(d_v).max() > 0.1
+
+
+def test_mismatched_shapes_take_the_pure_jax_path_or_fail_clearly():
+    q, k, v, allowed, _ = _case(2, 32, 2, 2)
+    assert native_kernels.amx_attention_applies(q, k, v)
+    assert not native_kernels.amx_attention_applies(q, k[:1], v[:1])  # keys of another batch
+    assert not native_kernels.amx_attention_applies(q, k, v[:, :, :16])  # values of fewer slots
+    with pytest.raises(Exception, match="allowed \\[B, S, T\\]"):
+        jax.block_until_ready(native_kernels.amx_attention(q, k, v, allowed[:1], SCALE))  # a broadcast mask
 
 
 def _config(dtype: str, head_dim: int = 64) -> ModelConfig:

@@ -113,7 +113,7 @@ inline __mmask16 AllowedLanes(const bool* allowed, int64_t t, int64_t keys) {  /
 }
 
 // The keys that rows [s0, s0 + n) of one batch row's allowed [S, T] may read, as 32-aligned blocks [lo, hi); empty
-// (lo >= hi) when none.
+// (lo == hi == 0) when none.
 void KeyBlocks(const bool* allowed, int64_t keys, int64_t queries, int64_t s0, int64_t n, int64_t* lo,
                int64_t* hi) {
   int64_t first = keys, last = -1;
@@ -128,6 +128,10 @@ void KeyBlocks(const bool* allowed, int64_t keys, int64_t queries, int64_t s0, i
       if (hit) last = static_cast<const bool*>(hit) - row;
     }
   }
+  if (last < 0) {
+    *lo = *hi = 0;
+    return;
+  }
   *lo = first / kBlock * kBlock;
   *hi = (last + kBlock) / kBlock * kBlock;
 }
@@ -136,6 +140,7 @@ void KeyBlocks(const bool* allowed, int64_t keys, int64_t queries, int64_t s0, i
 // dimension, loaded by the caller) against keys packed in pairs [32][padded_keys][2], over blocks [lo, hi):
 // written to scores (row stride padded_keys). Uses tiles 2, 3 and 4.
 void TileScores(const Bits* packed_keys, int64_t padded_keys, int64_t lo, int64_t hi, float* scores) {
+  asm volatile("" ::: "memory");  // GCC's tile loads do not order after plain stores: the packed operands first
   const int64_t stride = padded_keys * 4;
   const Bits* second_half = packed_keys + 16 * padded_keys * 2;
   for (int64_t t = lo; t < hi; t += kBlock) {
@@ -157,6 +162,7 @@ void TileScores(const Bits* packed_keys, int64_t padded_keys, int64_t lo, int64_
 // out [16, 64] fp32 = a [16, keys] (bf16, row stride padded_keys) x b, b packed in pairs along the keys
 // [padded_keys / 2][64][2], over blocks [lo, hi). Uses tiles 2, 3, 4, 5, 6 and 7.
 void TileTimesPacked(const Bits* a, const Bits* packed, int64_t padded_keys, int64_t lo, int64_t hi, float* out) {
+  asm volatile("" ::: "memory");  // the operands' plain stores before the tile loads
   _tile_zero(2);
   _tile_zero(3);
   _tile_zero(6);
@@ -185,6 +191,7 @@ void TileTimesPacked(const Bits* a, const Bits* packed, int64_t padded_keys, int
 // Uses every tile.
 void AccumulateTransposed(const Bits* a, const Bits* packed, int64_t padded_keys, int64_t lo, int64_t hi,
                           float* acc) {
+  asm volatile("" ::: "memory");  // the operands' plain stores before the tile loads
   const int64_t stride = padded_keys * 4;
   _tile_loadd(0, a, 64);
   _tile_loadd(1, a + 16 * 32, 64);
@@ -219,14 +226,23 @@ struct PackedHead {
   }
 };
 
+// Whether q [B, S, K, G, 64], keys [B, K, 64, T], values [B, K, T, 64] and allowed [B, S, T] agree.
+template <typename Dims4>
+bool Consistent(const Dims4& q, const Dims4& k, const Dims4& v, const Dims4& a) {
+  return q.size() == 5 && k.size() == 4 && v.size() == 4 && a.size() == 3 && q[4] == kHead && k[0] == q[0] &&
+         k[1] == q[2] && k[2] == kHead && v[0] == q[0] && v[1] == q[2] && v[2] == k[3] && v[3] == kHead &&
+         a[0] == q[0] && a[1] == q[1] && a[2] == k[3];
+}
+
 // ------------------------------------------------------------------------------------------------------ forward
 
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> keys,
                    ffi::Buffer<ffi::BF16> values, ffi::Buffer<ffi::PRED> allowed, float scale,
                    ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = keys.dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || qd[4] != kHead || kd[2] != kHead)
-    return ffi::Error::InvalidArgument("amx_attention: q [B, S, K, G, 64] and keys [B, K, 64, T] expected");
+  if (!Consistent(qd, kd, values.dimensions(), allowed.dimensions()))
+    return ffi::Error::InvalidArgument(
+        "amx_attention: q [B, S, K, G, 64], keys [B, K, 64, T], values [B, K, T, 64] and allowed [B, S, T] expected");
   if (!agentgym::AmxGranted()) return ffi::Error::Internal("amx_attention: the OS did not grant AMX tiles");
   const int64_t t = kd[3];
   const Dims d{qd[0], qd[1], qd[2], qd[3], t, (t + kBlock - 1) / kBlock * kBlock};
@@ -260,6 +276,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<f
           else
             std::memset(query + i * kHead, 0, kHead * 2);
         }
+        asm volatile("" ::: "memory");  // the copied queries before the tile loads
         _tile_loadd(0, query, kHead * 2);
         _tile_loadd(1, query + 32, kHead * 2);
         TileScores(head.keys_t.data(), d.padded_keys, lo, hi, scores.data());
@@ -318,8 +335,13 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
                     ffi::ResultBuffer<ffi::BF16> d_q, ffi::ResultBuffer<ffi::BF16> d_keys,
                     ffi::ResultBuffer<ffi::BF16> d_values) {
   const auto qd = q.dimensions(), kd = keys.dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || qd[4] != kHead || kd[2] != kHead)
-    return ffi::Error::InvalidArgument("amx_attention: q [B, S, K, G, 64] and keys [B, K, 64, T] expected");
+  if (!Consistent(qd, kd, values.dimensions(), allowed.dimensions()))
+    return ffi::Error::InvalidArgument(
+        "amx_attention: q [B, S, K, G, 64], keys [B, K, 64, T], values [B, K, T, 64] and allowed [B, S, T] expected");
+  const auto same = [&](auto dims) { return std::equal(dims.begin(), dims.end(), qd.begin(), qd.end()); };
+  if (!same(out.dimensions()) || !same(d_out.dimensions()) || lse.dimensions().size() != 4 ||
+      lse.element_count() != qd[0] * qd[2] * qd[3] * qd[1])
+    return ffi::Error::InvalidArgument("amx_attention: out and d_out like q, lse [B, K, G, S] expected");
   if (!agentgym::AmxGranted()) return ffi::Error::Internal("amx_attention: the OS did not grant AMX tiles");
   const int64_t t = kd[3];
   const Dims d{qd[0], qd[1], qd[2], qd[3], t, (t + kBlock - 1) / kBlock * kBlock};
@@ -337,7 +359,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
   agentgym::Parallel(pool, d.batch * d.kv_heads, [&](int64_t begin, int64_t end) {
     ConfigureTiles();
     PackedHead head(d);  // keys^T in pairs of the head dim (scores); values in pairs of keys (unused here)
-    std::vector<Bits> keys_rows(t * kHead);  // K [T, 64], for an odd T
+    std::vector<Bits> keys_rows(t % 2 ? t * kHead : 0);  // K [T, 64], for an odd T
     std::vector<Bits> values_t_pairs(32 * pk * 2), keys_pairs(pk * kHead);
     std::vector<float> probs(kQueryBlock * pk), d_probs(kQueryBlock * pk);
     std::vector<Bits> probs_bf16(kQueryBlock * pk, 0), d_scores(kQueryBlock * pk, 0);
@@ -394,6 +416,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
             PackPairs(rows, kQueryBlock, kHead, kHead, kQueryBlock, kHead, 0, kHead, row_pairs);
             Transpose32(row_pairs, kHead, kQueryBlock / 2, kHead, rows_t, kQueryBlock / 2);
           }
+          asm volatile("" ::: "memory");  // the copied queries and output gradients before the tile loads
           for (int64_t half = 0; half < 2; ++half) {  // scores and dP = dO V^T, 16 queries at a time
             const int64_t row0 = half * kRows;
             _tile_loadd(0, query + row0 * kHead, kHead * 2);
