@@ -244,6 +244,9 @@ def test_bf16_sampling_on_packed_weights_gives_the_unpacked_kernels_tokens(tmp_p
     _use_native_kernels(monkeypatch, "1")
     _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
     model = hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16")
+    program, compiled = sampling._generate_program, []
+    monkeypatch.setattr(sampling, "_generate_program", lambda *a, **k: compiled.append(
+        program.lower(*a, **k).compile().as_text()) or program(*a, **k))
     outputs = []
     for packing in (True, False):
         monkeypatch.setattr(native_kernels, "packing_projections", lambda packing=packing: packing)
@@ -252,6 +255,11 @@ def test_bf16_sampling_on_packed_weights_gives_the_unpacked_kernels_tokens(tmp_p
         _, out = sampler.generate(sampler.new_state(2), [[7] * 20 + [5], [9] * 25 + [6]], jax.random.PRNGKey(0),
                                   SamplingParams(temperature=1.0, max_new_tokens=8))
         outputs.append(out)
+    # the generate program packs its weights before its decode loop, whose body only reads them
+    pack, packed_product = native_kernels.AMX_PACK.target, native_kernels.AMX_MATMUL_PACKED.target
+    body = next(part for part in compiled[0].split("\n\n") if packed_product in part)
+    assert pack not in body and compiled[0].count(f'custom_call_target="{pack}"') >= 14  # 2 layers x 7
+    assert pack not in compiled[1]
     assert outputs[0].tokens == outputs[1].tokens and len(outputs[0].tokens[0]) == 8
     for a, b in zip(outputs[0].logprobs, outputs[1].logprobs):
         np.testing.assert_array_equal(a, b)
