@@ -1,6 +1,7 @@
 // Intel AMX set-up shared by the AMX kernels: the OS permission and a tile configuration.
 #pragma once
 
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -27,6 +28,24 @@ struct alignas(64) TileConfig {
     rows[tile] = static_cast<uint8_t>(tile_rows);
     bytes_per_row[tile] = static_cast<uint16_t>(bytes);
   }
+};
+
+// Interleaves two rows of 32 bf16 (even and odd k) into the tiles' pair layout: Low() holds columns 0-15 as
+// (even[c], odd[c]) pairs, High() columns 16-31.
+struct PairInterleave {
+  __m512i low, high;
+
+  PairInterleave() {
+    alignas(64) uint16_t pick_low[32], pick_high[32];
+    for (int c = 0; c < 16; ++c) {
+      pick_low[2 * c] = c, pick_low[2 * c + 1] = 32 + c;
+      pick_high[2 * c] = 16 + c, pick_high[2 * c + 1] = 48 + c;
+    }
+    low = _mm512_load_si512(pick_low);
+    high = _mm512_load_si512(pick_high);
+  }
+  __m512i Low(__m512i even, __m512i odd) const { return _mm512_permutex2var_epi16(even, low, odd); }
+  __m512i High(__m512i even, __m512i odd) const { return _mm512_permutex2var_epi16(even, high, odd); }
 };
 
 }  // namespace agentgym

@@ -61,12 +61,7 @@ void ConfigureTiles() {
 // and only columns [c0, c1) are written (multiples of 32).
 void PackPairs(const Bits* src, int64_t rows, int64_t cols, int64_t stride, int64_t padded_rows, int64_t padded_cols,
                int64_t c0, int64_t c1, Bits* dst) {
-  alignas(64) uint16_t pick_low[32], pick_high[32];
-  for (int c = 0; c < 16; ++c) {
-    pick_low[2 * c] = c, pick_low[2 * c + 1] = 32 + c;
-    pick_high[2 * c] = 16 + c, pick_high[2 * c + 1] = 48 + c;
-  }
-  const __m512i to_low = _mm512_load_si512(pick_low), to_high = _mm512_load_si512(pick_high);
+  const agentgym::PairInterleave pairs;
   for (int64_t r = 0; r < padded_rows / 2; ++r)
     for (int64_t c = c0; c < c1; c += 32) {
       const int64_t left = cols - c;
@@ -76,8 +71,8 @@ void PackPairs(const Bits* src, int64_t rows, int64_t cols, int64_t stride, int6
       const __m512i odd = 2 * r + 1 < rows ? _mm512_maskz_loadu_epi16(lanes, src + (2 * r + 1) * stride + c)
                                            : _mm512_setzero_si512();
       Bits* out = dst + (r * padded_cols + c) * 2;
-      _mm512_storeu_si512(out, _mm512_permutex2var_epi16(even, to_low, odd));
-      _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(even, to_high, odd));
+      _mm512_storeu_si512(out, pairs.Low(even, odd));
+      _mm512_storeu_si512(out + 32, pairs.High(even, odd));
     }
 }
 
@@ -358,7 +353,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
   auto* dvp = reinterpret_cast<Bits*>(d_values->untyped_data());
   agentgym::Parallel(pool, d.batch * d.kv_heads, [&](int64_t begin, int64_t end) {
     ConfigureTiles();
-    PackedHead head(d);  // keys^T in pairs of the head dim (scores); values in pairs of keys (unused here)
+    std::vector<Bits> keys_t_pairs(32 * pk * 2);  // K^T in pairs of the head dim (the scores)
     std::vector<Bits> keys_rows(t % 2 ? t * kHead : 0);  // K [T, 64], for an odd T
     std::vector<Bits> values_t_pairs(32 * pk * 2), keys_pairs(pk * kHead);
     std::vector<float> probs(kQueryBlock * pk), d_probs(kQueryBlock * pk);
@@ -374,7 +369,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
       const int64_t b = unit / d.kv_heads, k = unit % d.kv_heads;
       const Bits* keys_t = kp + unit * kHead * t;  // [64, T]
       const Bits* values_in = vp + unit * t * kHead;  // [T, 64]
-      PackPairs(keys_t, kHead, t, t, kHead, pk, 0, pk, head.keys_t.data());
+      PackPairs(keys_t, kHead, t, t, kHead, pk, 0, pk, keys_t_pairs.data());
       // V^T in pairs of the head dim: V's rows read as 32 pairs each, transposed
       Transpose32(values_in, kHead / 2, t, kHead / 2, values_t_pairs.data(), pk);
       if (t % 2 == 0) {  // K in pairs of keys: K^T's rows read as pairs of keys, transposed
@@ -421,7 +416,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<
             const int64_t row0 = half * kRows;
             _tile_loadd(0, query + row0 * kHead, kHead * 2);
             _tile_loadd(1, query + row0 * kHead + 32, kHead * 2);
-            TileScores(head.keys_t.data(), pk, lo, hi, probs.data() + row0 * pk);
+            TileScores(keys_t_pairs.data(), pk, lo, hi, probs.data() + row0 * pk);
             _tile_loadd(0, grad + row0 * kHead, kHead * 2);
             _tile_loadd(1, grad + row0 * kHead + 32, kHead * 2);
             TileScores(values_t_pairs.data(), pk, lo, hi, d_probs.data() + row0 * pk);

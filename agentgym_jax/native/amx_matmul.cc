@@ -58,12 +58,7 @@ void ConfigureTiles(int64_t m, bool transposed) {
 template <bool kTwoGroups>
 void Columns(const uint16_t* x, const uint16_t* w, int64_t k_size, int64_t n, int64_t c0, int64_t c1, float* y) {
   alignas(64) uint16_t low[16 * 32], high[16 * 32];  // w's panel block in VNNI order, columns 0-15 and 16-31
-  alignas(64) uint16_t pick_low[32], pick_high[32];
-  for (int c = 0; c < 16; ++c) {  // lane c of a VNNI row: (row 2r, column c), (row 2r + 1, column c)
-    pick_low[2 * c] = c, pick_low[2 * c + 1] = 32 + c;
-    pick_high[2 * c] = 16 + c, pick_high[2 * c + 1] = 48 + c;
-  }
-  const __m512i to_low = _mm512_load_si512(pick_low), to_high = _mm512_load_si512(pick_high);
+  const agentgym::PairInterleave pairs;  // lane c of a VNNI row: (row 2r, column c), (row 2r + 1, column c)
   const uint16_t* x1 = x + kTileRows * k_size;  // group 1's rows
   float* y1 = y + kTileRows * n;
   for (int64_t k = 0; k < k_size; k += kBlock) {
@@ -88,8 +83,8 @@ void Columns(const uint16_t* x, const uint16_t* w, int64_t k_size, int64_t n, in
       const uint16_t* rows = w + k * n + c;
       for (int r = 0; r < 16; ++r) {
         const __m512i even = _mm512_loadu_si512(rows + 2 * r * n), odd = _mm512_loadu_si512(rows + (2 * r + 1) * n);
-        _mm512_store_si512(low + 32 * r, _mm512_permutex2var_epi16(even, to_low, odd));
-        _mm512_store_si512(high + 32 * r, _mm512_permutex2var_epi16(even, to_high, odd));
+        _mm512_store_si512(low + 32 * r, pairs.Low(even, odd));
+        _mm512_store_si512(high + 32 * r, pairs.High(even, odd));
       }
       asm volatile("" ::: "memory");  // the tile loads below read low/high: the compiler must keep the stores
       _tile_loadd(3, low, 64);
@@ -245,12 +240,7 @@ ffi::Error AmxPack(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultBu
   const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
   auto* out = reinterpret_cast<uint16_t*>(packed->untyped_data());
   agentgym::Parallel(pool, k_blocks, [&](int64_t begin, int64_t end) {
-    alignas(64) uint16_t pick_low[32], pick_high[32];
-    for (int c = 0; c < 16; ++c) {
-      pick_low[2 * c] = c, pick_low[2 * c + 1] = 32 + c;
-      pick_high[2 * c] = 16 + c, pick_high[2 * c + 1] = 48 + c;
-    }
-    const __m512i to_low = _mm512_load_si512(pick_low), to_high = _mm512_load_si512(pick_high);
+    const agentgym::PairInterleave pairs;
     for (int64_t kb = begin; kb < end; ++kb)
       for (int r = 0; r < 16; ++r) {
         const uint16_t* even = wp + (kb * kBlock + 2 * r) * n;
@@ -258,8 +248,8 @@ ffi::Error AmxPack(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultBu
         for (int64_t p = 0; p < n / kBlock; ++p) {
           const __m512i e = _mm512_loadu_si512(even + p * kBlock), o = _mm512_loadu_si512(odd + p * kBlock);
           uint16_t* block = out + (p * k_blocks + kb) * 1024 + r * 32;
-          _mm512_storeu_si512(block, _mm512_permutex2var_epi16(e, to_low, o));
-          _mm512_storeu_si512(block + 512, _mm512_permutex2var_epi16(e, to_high, o));
+          _mm512_storeu_si512(block, pairs.Low(e, o));
+          _mm512_storeu_si512(block + 512, pairs.High(e, o));
         }
       }
   });
