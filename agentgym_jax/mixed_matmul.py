@@ -10,7 +10,9 @@ products are bf16 x bf16 with fp32 accumulation. With fp32 operands nothing chan
 On CPUs with AMX, a bf16 product of at most 32 rows (a decode step's projections) runs
 :func:`native_kernels.amx_matmul` instead of XLA's dot (:func:`native_kernels.amx_matmul_applies`), or, inside
 :func:`native_kernels.packed_projections` (the generate program's decode loop), :func:`native_kernels.amx_matmul_packed`
-on weights packed once per program call; its gradients stay XLA products.
+on weights packed once per program call; its gradients stay XLA products. In fp32, products of at most 32 rows
+inside :func:`native_kernels.packed_projections` run :func:`native_kernels.strip_matmul` on weights packed into
+strips (:func:`native_kernels.strip_matmul_applies`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from agentgym_jax import native_kernels
 
 def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
     """fp32 ``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis."""
+    if native_kernels.strip_matmul_applies(x, w, transposed):
+        return native_kernels.strip_matmul(x, native_kernels.pack_strips(w, transposed))
     if native_kernels.amx_matmul_applies(x, w, transposed):
         if not transposed and native_kernels.packing_projections():
             return native_kernels.amx_matmul_packed(x, native_kernels.pack_for_amx(w))

@@ -9,6 +9,9 @@
   tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and an
   OS that grants it). Inside :func:`packed_projections` (the generate program's decode loop) the same products
   read weights packed once per call (:func:`pack_for_amx`, :func:`amx_matmul_packed`).
+- :func:`strip_matmul` (``native/strip_matmul.cc``): fp32 projections of at most 32 rows inside
+  :func:`packed_projections`, on weights packed once per call into 16-column strips (:func:`pack_strips`; AVX-512),
+  where :func:`strip_matmul_applies`.
 - :func:`amx_attention` (``native/amx_attention.cc``): bf16 attention of many queries (training rows, prompt
   prefill) on AMX tiles, forward and backward, where :func:`amx_attention_applies`.
 
@@ -73,6 +76,9 @@ AMX_ATTENTION_FORWARD = Kernel("amx_attention", "AgentgymAmxAttentionForward", "
                                AMX_FLAGS)
 AMX_ATTENTION_BACKWARD = Kernel("amx_attention", "AgentgymAmxAttentionBackward", "agentgym_amx_attention_backward",
                                 AMX_FLAGS)
+STRIP_MATMUL = Kernel("strip_matmul", "AgentgymStripMatmul", "agentgym_strip_matmul")
+STRIP_PACK = Kernel("strip_matmul", "AgentgymStripPack", "agentgym_strip_pack")
+STRIP_LANES = 16  # strip_matmul's output count must be a multiple of this
 AMX_ATTENTION_HEAD_DIM = 64  # the only head dimension amx_attention's tiles are laid out for
 TARGET = DECODE_ATTENTION.target
 SHARED_HEADERS = tuple(NATIVE_DIR / name for name in ("parallel.h", "vector_math.h", "amx.h"))
@@ -166,6 +172,11 @@ def amx_available() -> bool:
     return bool(_library(AMX_MATMUL).AgentgymAmxReady())
 
 
+def avx512_available() -> bool:
+    """Whether this CPU has AVX-512F (what :func:`strip_matmul` is written in)."""
+    return "avx512f" in _cpu_flags().split()
+
+
 def amx_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
     """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
     :func:`amx_matmul` in a program traced now: bf16 operands, at most :data:`AMX_MAX_ROWS` rows, K and N multiples
@@ -224,6 +235,37 @@ def amx_matmul_packed(x: jax.Array, packed: jax.Array) -> jax.Array:
     rows = x.reshape(-1, x.shape[-1])
     outputs = packed.shape[0] * AMX_BLOCK
     call = jax.ffi.ffi_call(AMX_MATMUL_PACKED.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
+    return call(rows, packed).reshape(*x.shape[:-1], outputs)
+
+
+def strip_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
+    """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
+    :func:`strip_matmul` in a program traced now: fp32 operands, at most :data:`AMX_MAX_ROWS` rows, an output count
+    that is a multiple of :data:`STRIP_LANES`, inside :func:`packed_projections`, native kernels enabled
+    (:func:`enabled`) on a CPU with AVX-512 (:func:`avx512_available`)."""
+    rows = int(np.prod(x.shape[:-1]))
+    outputs = w.shape[0] if transposed else w.shape[-1]
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and 1 <= rows <= AMX_MAX_ROWS
+            and outputs % STRIP_LANES == 0 and packing_projections() and enabled() and avx512_available())
+
+
+def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
+    """fp32 w [K, N] (``transposed``: [N, K]; N a multiple of 16) laid out for :func:`strip_matmul`: [N/16, K, 16],
+    strip s holding columns 16s to 16s + 15 row after row."""
+    _register(STRIP_PACK)
+    n, k = w.shape if transposed else w.shape[::-1]
+    return jax.ffi.ffi_call(STRIP_PACK.target, jax.ShapeDtypeStruct((n // STRIP_LANES, k, STRIP_LANES), w.dtype))(
+        w, transposed=transposed)
+
+
+def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+    """``x @ w`` for fp32 ``x`` [..., K] (at most 32 rows) and ``packed`` = :func:`pack_strips` (w): each thread
+    streams three strips at a time and keeps the outputs of 8 rows in registers across all of K (XLA's dots ran
+    these products at ~10 GB/s at 8 rows, half the memory bandwidth)."""
+    _register(STRIP_MATMUL)
+    rows = x.reshape(-1, x.shape[-1])
+    outputs = packed.shape[0] * STRIP_LANES
+    call = jax.ffi.ffi_call(STRIP_MATMUL.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
     return call(rows, packed).reshape(*x.shape[:-1], outputs)
 
 
@@ -300,6 +342,8 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys:
 
 if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
     print(build(DECODE_ATTENTION))
+    if avx512_available():
+        print(build(STRIP_MATMUL))
     if amx_available():
         print(build(AMX_MATMUL))
         print(build(AMX_ATTENTION_FORWARD))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from flax import nnx
 
-from agentgym_jax import hf, sampling, sharding
+from agentgym_jax import hf, native_kernels, sampling, sharding
 from agentgym_jax.errors import ConfigError
 from agentgym_jax.model import KVCache
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams, StopReason
@@ -248,7 +248,10 @@ def test_logprobs_at_the_learner_temperature(pair):
 
 
 def _dot_count(lowered) -> int:
-    return lowered.as_text().count("stablehlo.dot_general")
+    """Matrix products in a lowered program: XLA's dots and the native projection kernels' calls."""
+    text = lowered.as_text()
+    kernels = (native_kernels.STRIP_MATMUL, native_kernels.AMX_MATMUL, native_kernels.AMX_MATMUL_PACKED)
+    return text.count("stablehlo.dot_general") + sum(text.count(f"@{kernel.target}(") for kernel in kernels)
 
 
 def test_a_one_token_call_holds_one_copy_of_the_model(pair):
