@@ -12,6 +12,8 @@
 - :func:`strip_matmul` (``native/strip_matmul.cc``): fp32 projections of at most 32 rows inside
   :func:`packed_projections`, on weights packed once per call into 16-column strips (:func:`pack_strips`; AVX-512),
   where :func:`strip_matmul_applies`.
+- :func:`token_pick` (``native/token_pick.cc``): a decode step's greedy pick or unfiltered draw and the picked
+  token's log-probability from fp32 logits (AVX-512), where :func:`token_pick_applies`.
 - :func:`amx_attention` (``native/amx_attention.cc``): bf16 attention of many queries (training rows, prompt
   prefill) on AMX tiles, forward and backward, where :func:`amx_attention_applies`.
 
@@ -78,6 +80,7 @@ AMX_ATTENTION_BACKWARD = Kernel("amx_attention", "AgentgymAmxAttentionBackward",
                                 AMX_FLAGS)
 STRIP_MATMUL = Kernel("strip_matmul", "AgentgymStripMatmul", "agentgym_strip_matmul")
 STRIP_PACK = Kernel("strip_matmul", "AgentgymStripPack", "agentgym_strip_pack")
+TOKEN_PICK = Kernel("token_pick", "AgentgymTokenPick", "agentgym_token_pick")
 STRIP_LANES = 16  # strip_matmul's output count must be a multiple of this
 AMX_ATTENTION_HEAD_DIM = 64  # the only head dimension amx_attention's tiles are laid out for
 TARGET = DECODE_ATTENTION.target
@@ -269,6 +272,26 @@ def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
     return call(rows, packed).reshape(*x.shape[:-1], outputs)
 
 
+def token_pick_applies(logits: jax.Array) -> bool:
+    """Whether :func:`token_draws.draw_tokens` picks from ``logits`` with :func:`token_pick` in a program traced
+    now: fp32 logits [B, V], native kernels enabled (:func:`enabled`) on a CPU with AVX-512."""
+    return logits.dtype == jnp.float32 and logits.ndim == 2 and enabled() and avx512_available()
+
+
+def token_pick(logits: jax.Array, temperature: jax.Array, uniform: jax.Array,
+               logprob_temperature: float) -> tuple[jax.Array, jax.Array]:
+    """Per row of fp32 ``logits`` [B, V]: the first maximum where ``temperature`` [B] is 0, else the inverse-CDF
+    draw from ``softmax(logits / max(temperature, 1e-6))`` at the row's ``uniform`` [B] number in [0, 1); returns
+    (tokens [B] int32, their log-probs under ``log_softmax(logits / logprob_temperature)``). Equals
+    :func:`token_draws.draw_tokens` without filtering, up to fp32 rounding of the sums."""
+    _register(TOKEN_PICK)
+    batch = logits.shape[0]
+    call = jax.ffi.ffi_call(TOKEN_PICK.target, (jax.ShapeDtypeStruct((batch,), jnp.int32),
+                                                jax.ShapeDtypeStruct((batch,), jnp.float32)))
+    return call(logits, temperature.astype(jnp.float32), uniform.astype(jnp.float32),
+                logprob_temperature=np.float32(logprob_temperature))
+
+
 def amx_attention_applies(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether :func:`amx_attention` computes the attention of q [B, S, K, G, H] over k [B, K, H, T] and v
     [B, K, T, H] in a program traced now: bf16 operands, a head dimension of :data:`AMX_ATTENTION_HEAD_DIM`, native
@@ -344,6 +367,7 @@ if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
     print(build(DECODE_ATTENTION))
     if avx512_available():
         print(build(STRIP_MATMUL))
+        print(build(TOKEN_PICK))
     if amx_available():
         print(build(AMX_MATMUL))
         print(build(AMX_ATTENTION_FORWARD))
