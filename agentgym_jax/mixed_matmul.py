@@ -12,7 +12,8 @@ On CPUs with AMX, a bf16 product of at most 32 rows (a decode step's projections
 :func:`native_kernels.packed_projections` (the generate program's decode loop), :func:`native_kernels.amx_matmul_packed`
 on weights packed once per program call; its gradients stay XLA products. In fp32, products of at most 32 rows
 inside :func:`native_kernels.packed_projections` run :func:`native_kernels.strip_matmul` on weights packed into
-strips (:func:`native_kernels.strip_matmul_applies`).
+strips (:func:`native_kernels.strip_matmul_applies`). bf16 products of more than 32 rows (prompt prefill, the
+training forward pass) run :func:`native_kernels.amx_gemm` (:func:`native_kernels.amx_gemm_applies`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
     """fp32 ``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis."""
     if native_kernels.strip_matmul_applies(x, w, transposed):
         return native_kernels.strip_matmul(x, native_kernels.pack_strips(w, transposed))
+    if native_kernels.amx_gemm_applies(x, w, transposed):
+        return native_kernels.amx_gemm(x, w)
     if native_kernels.amx_matmul_applies(x, w, transposed):
         if not transposed and native_kernels.packing_projections():
             return native_kernels.amx_matmul_packed(x, native_kernels.pack_for_amx(w))

@@ -74,6 +74,7 @@ AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 AMX_MATMUL = Kernel("amx_matmul", "AgentgymAmxMatmul", "agentgym_amx_matmul", AMX_FLAGS)
 AMX_MATMUL_PACKED = Kernel("amx_matmul", "AgentgymAmxMatmulPacked", "agentgym_amx_matmul_packed", AMX_FLAGS)
 AMX_PACK = Kernel("amx_matmul", "AgentgymAmxPack", "agentgym_amx_pack", AMX_FLAGS)
+AMX_GEMM = Kernel("amx_matmul", "AgentgymAmxGemm", "agentgym_amx_gemm", AMX_FLAGS)
 AMX_ATTENTION_FORWARD = Kernel("amx_attention", "AgentgymAmxAttentionForward", "agentgym_amx_attention_forward",
                                AMX_FLAGS)
 AMX_ATTENTION_BACKWARD = Kernel("amx_attention", "AgentgymAmxAttentionBackward", "agentgym_amx_attention_backward",
@@ -198,6 +199,25 @@ def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Arra
     outputs = w.shape[0] if transposed else w.shape[1]
     call = jax.ffi.ffi_call(AMX_MATMUL.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
     return call(rows, w, transposed=transposed).reshape(*x.shape[:-1], outputs)
+
+
+def amx_gemm_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
+    """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` with :func:`amx_gemm` in a program traced now: bf16
+    operands, more than :data:`AMX_MAX_ROWS` rows, w [K, N] not transposed with K and N multiples of
+    :data:`AMX_BLOCK`, native kernels enabled (:func:`enabled`) on a CPU with AMX (:func:`amx_available`)."""
+    rows = int(np.prod(x.shape[:-1]))
+    return (not transposed and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and w.ndim == 2
+            and rows > AMX_MAX_ROWS and x.shape[-1] % AMX_BLOCK == 0 and w.shape[1] % AMX_BLOCK == 0 and enabled()
+            and amx_available())
+
+
+def amx_gemm(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` over ``x``'s last axis for bf16 ``x`` [..., K] of any number of rows and ``w`` [K, N], accumulated
+    and returned in fp32 on AMX tiles: 32 x 32 output blocks, each panel of w reordered once per 512 rows."""
+    _register(AMX_GEMM)
+    rows = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(AMX_GEMM.target, jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32))
+    return call(rows, w).reshape(*x.shape[:-1], w.shape[1])
 
 
 _packing = contextvars.ContextVar("agentgym_jax_packed_projections", default=False)

@@ -9,9 +9,11 @@
 // tile rows: the kernel computes y^T = w x^T, 32 of w's rows at a time, against x^T reordered once per call. Rows
 // 17-32 of x take a second set of tiles, so a weight block is reordered once for all rows. Pure-JAX
 // reference: the fp32-accumulated dot in agentgym_jax.mixed_matmul (tests/test_native_kernels.py compares them).
+// Products of more than 32 rows (prefill, training rows) take AmxGemm below (tests/test_amx_gemm.py).
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -278,7 +280,97 @@ ffi::Error AmxMatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::
   return ffi::Error::Success();
 }
 
+// Many rows (a prompt's prefill, training rows): y [M, N] = x [M, K] @ w [K, N]. Each thread takes a range of
+// 32-column panels and reorders them once into the tiles' pair layout (a buffer that stays in L2); then for every
+// 32 rows of x (their two 16-row tiles 4 and 5, which stay in L1 across the panels) it computes each panel's 32 x 32
+// output block in tiles 0-3 against the panel's two halves (6, 7), writing y row block by row block. A last block
+// of fewer than 32 rows goes through a zero-padded copy. Against XLA's bf16 dots on the model's prefill shapes
+// (128-4096 rows, 2-core Xeon): 1.05-2.1x.
+void ConfigureGemmTiles() {
+  agentgym::TileConfig config;
+  for (int tile = 0; tile < 8; ++tile) config.Set(tile, 16, 64);
+  asm volatile("" ::: "memory");  // GCC does not see ldtilecfg read config: keep the stores above
+  _tile_loadconfig(&config);
+}
+
+// out[kb] ([2][16][32] bf16 bits: the two 16-column halves' pair rows) for each 32-row block kb of w's panel p.
+void ReorderPanel(const uint16_t* w, int64_t k_size, int64_t n, int64_t p, const agentgym::PairInterleave& pairs,
+                  uint16_t* out) {
+  for (int64_t kb = 0; kb < k_size / kBlock; ++kb)
+    for (int r = 0; r < 16; ++r) {
+      const uint16_t* even = w + (kb * kBlock + 2 * r) * n + p * kBlock;
+      const __m512i e = _mm512_loadu_si512(even), o = _mm512_loadu_si512(even + n);
+      _mm512_storeu_si512(out + kb * 1024 + r * 32, pairs.Low(e, o));
+      _mm512_storeu_si512(out + kb * 1024 + 512 + r * 32, pairs.High(e, o));
+    }
+  asm volatile("" ::: "memory");  // the tile loads that read out come after these stores
+}
+
+// y[0:32, 0:32] (row stride y_stride) for 32 rows of x (row stride k_blocks * 32) against a reordered panel.
+void Block32(const uint16_t* x, const uint16_t* panel, int64_t k_blocks, float* y, int64_t y_stride) {
+  const int64_t x_bytes = k_blocks * kBlock * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    _tile_loadd(4, x + kb * kBlock, x_bytes);
+    _tile_loadd(5, x + 16 * k_blocks * kBlock + kb * kBlock, x_bytes);
+    _tile_loadd(6, panel + kb * 1024, 64);
+    _tile_loadd(7, panel + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, y, y_stride * 4);
+  _tile_stored(1, y + 16, y_stride * 4);
+  _tile_stored(2, y + 16 * y_stride, y_stride * 4);
+  _tile_stored(3, y + 16 * y_stride + 16, y_stride * 4);
+}
+
+ffi::Error AmxGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[1])
+    return ffi::Error::InvalidArgument("amx_gemm: x [M, K], w [K, N] and y [M, N] expected");
+  const int64_t m = xd[0], k_size = xd[1], n = wd[1], k_blocks = k_size / kBlock;
+  if (k_size % kBlock || n % kBlock) return ffi::Error::InvalidArgument("amx_gemm: K and N must be multiples of 32");
+  if (!AgentgymAmxReady()) return ffi::Error::Internal("amx_gemm: the OS did not grant this process AMX tiles");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  float* yp = y->typed_data();
+  const int64_t whole = m / kMaxRows * kMaxRows, tail = m - whole;
+  agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
+    ConfigureGemmTiles();
+    const agentgym::PairInterleave pairs;
+    const int64_t panel_size = k_blocks * 1024;
+    std::vector<uint16_t> panels((end - begin) * panel_size), padded(tail ? kMaxRows * k_size : 0, 0);
+    for (int64_t p = begin; p < end; ++p)
+      ReorderPanel(wp, k_size, n, p, pairs, panels.data() + (p - begin) * panel_size);
+    std::copy(xp + whole * k_size, xp + m * k_size, padded.begin());
+    alignas(64) float last[kMaxRows * kBlock];
+    for (int64_t r = 0; r + kMaxRows <= m; r += kMaxRows)
+      for (int64_t p = begin; p < end; ++p)
+        Block32(xp + r * k_size, panels.data() + (p - begin) * panel_size, k_blocks, yp + r * n + p * kBlock, n);
+    if (tail) {
+      for (int64_t p = begin; p < end; ++p) {
+        Block32(padded.data(), panels.data() + (p - begin) * panel_size, k_blocks, last, kBlock);
+        asm volatile("" ::: "memory");  // the reads below see the tile stores
+        for (int64_t r = 0; r < tail; ++r)
+          std::copy(last + r * kBlock, last + (r + 1) * kBlock, yp + (whole + r) * n + p * kBlock);
+      }
+    }
+    _tile_release();
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxGemm, AmxGemm,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxMatmul, AmxMatmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()

@@ -1,0 +1,78 @@
+"""bf16 products of many rows on AMX tiles (``amx_gemm`` in ``native/amx_matmul.cc``): equal to XLA's
+fp32-accumulated dot, taken by mixed_dot for prompts and training rows, with the pure-JAX model's logits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax import nnx
+
+from agentgym_jax import hf, native_kernels
+from agentgym_jax.mixed_matmul import mixed_dot
+from tests.test_native_kernels import _use_native_kernels
+from tests.test_sampling import _pair
+
+pytestmark = pytest.mark.skipif(not native_kernels.amx_available(), reason="this CPU has no AMX bf16 tiles")
+
+
+def _gemm_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(f"@{native_kernels.AMX_GEMM.target}(")
+
+
+@pytest.mark.parametrize("rows,k,n", [
+    (33, 64, 32),  # one whole block of 32 rows and a padded one of 1
+    (64, 576, 192),  # whole blocks only
+    (100, 1536, 96),  # three panels: one thread takes two
+    (545, 32, 576),  # a single k block; 17 blocks and a tail of 1
+])
+def test_products_equal_the_fp32_accumulated_dot(rows, k, n):
+    rng = np.random.RandomState(rows + k + n)
+    x = jnp.asarray(rng.randn(rows, k), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(k, n) * 0.1, jnp.bfloat16)
+    ours = np.asarray(jax.jit(native_kernels.amx_gemm)(x, w))
+    expected = np.asarray(jax.lax.dot(x, w, preferred_element_type=jnp.float32))
+    assert ours.dtype == np.float32 and ours.shape == (rows, n)
+    # the products of bf16 numbers are exact in fp32; only the order of the fp32 sums may differ
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_mixed_dot_takes_the_kernel_for_bf16_products_of_many_rows(monkeypatch):
+    _use_native_kernels(monkeypatch, "1")
+    w = jnp.ones((64, 96), jnp.bfloat16)
+    product = lambda x, w: mixed_dot(x, w)  # noqa: E731
+    assert _gemm_calls(product, jnp.ones((2, 17, 64), jnp.bfloat16), w) == 1  # 34 rows
+    assert _gemm_calls(product, jnp.ones((32, 64), jnp.bfloat16), w) == 0  # a decode step's: amx_matmul
+    assert _gemm_calls(product, jnp.ones((40, 64), jnp.float32), w.astype(jnp.float32)) == 0
+    assert _gemm_calls(lambda x, w: mixed_dot(x, w, transposed=True), jnp.ones((40, 96), jnp.bfloat16), w) == 0
+    assert _gemm_calls(product, jnp.ones((40, 48), jnp.bfloat16), jnp.ones((48, 96), jnp.bfloat16)) == 0  # K % 32
+    _use_native_kernels(monkeypatch, "0")
+    assert _gemm_calls(product, jnp.ones((40, 64), jnp.bfloat16), w) == 0
+
+    # the gradients stay XLA products: equal with the kernel on and off
+    rng = np.random.RandomState(0)
+    x, w = (jnp.asarray(rng.randn(*shape), jnp.bfloat16) for shape in ((3, 40, 64), (64, 96)))
+    loss = lambda x, w: jnp.sum(mixed_dot(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+    grads = {}
+    for setting in ("1", "0"):
+        _use_native_kernels(monkeypatch, setting)
+        grads[setting] = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    for ours, reference in zip(grads["1"], grads["0"]):
+        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(reference, np.float32), rtol=2e-2)
+
+
+def test_a_bf16_prompt_runs_its_projections_on_the_kernel_with_the_pure_jax_logits(tmp_path_factory, monkeypatch):
+    _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
+    graphdef, state = nnx.split(hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16"))
+    forward = lambda state, tokens: nnx.merge(graphdef, state)(tokens)  # noqa: E731
+    tokens = jnp.asarray(np.random.RandomState(1).randint(3, 250, (2, 40)))
+    applies, logits = native_kernels.amx_gemm_applies, {}
+    _use_native_kernels(monkeypatch, "1")
+    for on in (True, False):  # only these products change: every other kernel runs in both
+        monkeypatch.setattr(native_kernels, "amx_gemm_applies", lambda *a, on=on: on and applies(*a))
+        jax.clear_caches()
+        # 2 layers x (q, k, v, o, gate, up, down) on 80 rows; the untied head too
+        assert _gemm_calls(forward, state, tokens) == (15 if on else 0)
+        logits[on] = np.asarray(jax.jit(forward)(state, tokens), np.float32)
+    assert np.abs(logits[False]).max() > 0.1
+    np.testing.assert_allclose(logits[True], logits[False], atol=1e-2 * np.abs(logits[False]).max())
