@@ -1,4 +1,6 @@
-"""Top-k/top-p filtering cost per decode step: the sampler's bisection against the sort it replaced.
+"""Token-pick cost per decode step: top-k/top-p filtering by the sampler's bisection against the sort it replaced,
+and the unfiltered pick (greedy, or a draw at temperature 0.7, with the picked token's log-prob) by the native
+kernel against the pure-JAX draw_tokens.
 
     python -m benchmarks.token_draws [--repeats=7]
 
@@ -34,7 +36,8 @@ def main(argv: list[str]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from agentgym_jax.token_draws import top_k_top_p_mask
+    from agentgym_jax import native_kernels
+    from agentgym_jax.token_draws import draw_tokens, top_k_top_p_mask
 
     variants = {"sort": jax.jit(_sorted_filter),
                 "bisection": jax.jit(lambda s, k, p: jnp.where(top_k_top_p_mask(s, k, p), s, -jnp.inf))}
@@ -47,7 +50,25 @@ def main(argv: list[str]) -> None:
             run()  # compiles
             results[f"b{batch}_{name}_ms"] = 1000 * median(time_repeats(run, _REPEATS.value))
         results[f"b{batch}_speedup"] = results[f"b{batch}_sort_ms"] / results[f"b{batch}_bisection_ms"]
-    results.update(workload=f"{VOCABULARY}-token logits, top_k 50 and top_p 0.9 on every row",
+        keys, counters = jax.random.split(jax.random.PRNGKey(1), batch), jnp.arange(batch)
+        for temperature in (0.0, 0.7):
+            if not native_kernels.token_pick_applies(logits):
+                break  # no AVX-512 here: nothing to compare
+            name = f"b{batch}_pick_t{temperature}"
+            for side, kernel in (("pure_jax", False), ("native", True)):
+                applies = native_kernels.token_pick_applies
+                native_kernels.token_pick_applies = lambda x, on=kernel, applies=applies: on and applies(x)
+                try:
+                    fn = jax.jit(lambda x: draw_tokens(x, keys, counters, jnp.full((batch,), temperature), top_p,
+                                                       top_k, False))
+                    run = lambda fn=fn: jax.block_until_ready(fn(logits))  # noqa: E731
+                    run()  # compiles
+                finally:
+                    native_kernels.token_pick_applies = applies
+                results[f"{name}_{side}_ms"] = 1000 * median(time_repeats(run, _REPEATS.value))
+            results[f"{name}_speedup"] = results[f"{name}_pure_jax_ms"] / results[f"{name}_native_ms"]
+    results.update(workload=f"{VOCABULARY}-token logits, top_k 50 and top_p 0.9 on every row (filtering); greedy "
+                            "and temperature-0.7 picks without filtering (pick)",
                    statistic=f"median of {_REPEATS.value} jitted calls after a compiling one", machine=cpu_facts())
     print(write_json("token_draws", results))
 
