@@ -176,6 +176,7 @@ def amx_available() -> bool:
     return bool(_library(AMX_MATMUL).AgentgymAmxReady())
 
 
+@functools.cache
 def avx512_available() -> bool:
     """Whether this CPU has AVX-512F (what :func:`strip_matmul` is written in)."""
     return "avx512f" in _cpu_flags().split()
@@ -213,7 +214,8 @@ def amx_gemm_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
 
 def amx_gemm(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` over ``x``'s last axis for bf16 ``x`` [..., K] of any number of rows and ``w`` [K, N], accumulated
-    and returned in fp32 on AMX tiles: 32 x 32 output blocks, each panel of w reordered once per 512 rows."""
+    and returned in fp32 on AMX tiles: 32 x 32 output blocks, each panel of w reordered once per call, in groups
+    of at most 1 MB per thread."""
     _register(AMX_GEMM)
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(AMX_GEMM.target, jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32))
@@ -226,7 +228,8 @@ _packing = contextvars.ContextVar("agentgym_jax_packed_projections", default=Fal
 @contextlib.contextmanager
 def packed_projections():
     """Within it, products that :func:`amx_matmul` would run are traced as :func:`amx_matmul_packed` of
-    :func:`pack_for_amx` (w): for loops that run the same weights many times (the generate program's decode steps),
+    :func:`pack_for_amx` (w), and fp32 products of few rows as :func:`strip_matmul` of :func:`pack_strips` (w): for
+    loops that run the same weights many times (the generate program's decode steps),
     whose packing XLA hoists out of the loop (tested); a single product would pay a whole pass over w to pack it."""
     token = _packing.set(True)
     try:

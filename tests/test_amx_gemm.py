@@ -23,7 +23,8 @@ def _gemm_calls(fn, *args) -> int:
 @pytest.mark.parametrize("rows,k,n", [
     (33, 64, 32),  # one whole block of 32 rows and a padded one of 1
     (64, 576, 192),  # whole blocks only
-    (100, 1536, 96),  # three panels: one thread takes two
+    (100, 1536, 96),  # three panels: an odd count over the threads
+    (64, 1536, 1024),  # 3 MB of panels reordered: groups of at most 1 MB per thread
     (545, 32, 576),  # a single k block; 17 blocks and a tail of 1
 ])
 def test_products_equal_the_fp32_accumulated_dot(rows, k, n):

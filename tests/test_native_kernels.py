@@ -203,7 +203,7 @@ def test_a_bf16_model_runs_its_projections_on_the_kernel_with_the_pure_jax_logit
     assert np.abs(logits["1"]).max() > 0.1
     np.testing.assert_allclose(logits["1"], logits["0"], atol=2e-2 * np.abs(logits["0"]).max())
     _use_native_kernels(monkeypatch, "1")
-    assert _amx_calls(forward, state, jnp.ones((1, 33), jnp.int32)) == 0  # a prompt of 33 tokens: amx_gemm
+    assert _amx_calls(forward, state, jnp.ones((1, 33), jnp.int32)) == 0  # a prompt of 33 tokens: amx_gemm (test_amx_gemm)
 
 
 @needs_amx

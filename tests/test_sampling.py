@@ -250,7 +250,8 @@ def test_logprobs_at_the_learner_temperature(pair):
 def _dot_count(lowered) -> int:
     """Matrix products in a lowered program: XLA's dots and the native projection kernels' calls."""
     text = lowered.as_text()
-    kernels = (native_kernels.STRIP_MATMUL, native_kernels.AMX_MATMUL, native_kernels.AMX_MATMUL_PACKED)
+    kernels = (native_kernels.STRIP_MATMUL, native_kernels.AMX_MATMUL, native_kernels.AMX_MATMUL_PACKED,
+               native_kernels.AMX_GEMM)
     return text.count("stablehlo.dot_general") + sum(text.count(f"@{kernel.target}(") for kernel in kernels)
 
 

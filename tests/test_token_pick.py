@@ -54,6 +54,20 @@ def test_zero_probability_tokens_are_never_drawn_even_at_the_ends_of_the_uniform
     np.testing.assert_allclose(np.asarray(logprobs), np.log(1 / 14), rtol=1e-5)
 
 
+def test_a_row_with_a_nan_gets_what_the_pure_jax_path_gives_it(monkeypatch):
+    _use_native_kernels(monkeypatch, "1")
+    logits = np.random.RandomState(3).randn(4, 40).astype(np.float32)
+    logits[1, 7] = logits[3, 30] = np.nan
+    temperature = jnp.asarray([0.0, 0.0, 0.9, 0.9], jnp.float32)
+    native = _draw(jnp.asarray(logits), temperature)
+    _use_native_kernels(monkeypatch, "0")
+    pure = _draw(jnp.asarray(logits), temperature)
+    np.testing.assert_array_equal(np.asarray(native[0]), np.asarray(pure[0]))
+    assert np.asarray(native[0])[[1, 3]].tolist() == [39, 0]  # greedy: the last token; drawn: the first
+    assert np.isnan(np.asarray(native[1])[[1, 3]]).all() and np.isfinite(np.asarray(native[1])[[0, 2]]).all()
+    np.testing.assert_allclose(np.asarray(native[1])[[0, 2]], np.asarray(pure[1])[[0, 2]], atol=2e-5)
+
+
 def test_draws_follow_the_softmax():
     probabilities = np.asarray([0.5, 0.3, 0.0, 0.15, 0.05])
     draws = 20000

@@ -4,8 +4,10 @@
 //
 // XLA's CPU backend ran the pure-JAX pick (agentgym_jax.token_draws.draw_tokens without filtering) as a chain of
 // single-threaded passes over the logits, writing the whole log-softmax out to read one entry of it: ~2 ms per
-// decode step at 8 rows and ~6 ms at 32 on a 2-core Xeon. Here a row takes three passes that stay in L2 (its maximum
-// and first argmax; its exponential sums; the draw's scan), vectorized, the rows split over the threads. The draw
+// decode step at 8 rows and ~6 ms at 32 on a 2-core Xeon. Here a row takes a few vectorized passes that stay in L2
+// (its maximum, its first argmax; the exponential sum; for a draw, its scan and, at another log-prob temperature,
+// a second sum), the rows split over the threads. A row holding a NaN gets what the pure-JAX path gives it: the last
+// token when greedy, the first when drawn, and a NaN log-prob. The draw
 // sums the exponentials in 16-lane blocks in the same order in both passes, so the scan reaches the total exactly;
 // a token of zero probability is never drawn. Pure-JAX reference: draw_tokens (tests/test_token_pick.py).
 
@@ -39,13 +41,23 @@ inline __m512 Weights(const float* x, int64_t left, float scale, float top) {
   return _mm512_maskz_mov_ps(lanes, Exp16(_mm512_max_ps(shifted, _mm512_set1_ps(-110.0f))));
 }
 
-// The row's maximum and the first index holding it (v - 1 when there is none: a row of NaNs).
+// The row's maximum and the first index holding it; NaN and v - 1 when the row holds a NaN (jnp's max is NaN
+// there, and first_argmax finds no index equal to it).
 void Maximum(const float* x, int64_t v, float* top, int64_t* first) {
   const __m512 lowest = _mm512_set1_ps(-INFINITY);
   __m512 best = lowest;
-  for (int64_t i = 0; i < v; i += 16) best = _mm512_max_ps(best, _mm512_mask_loadu_ps(lowest, Lanes(v - i), x + i));
-  *top = _mm512_reduce_max_ps(best);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < v; i += 16) {
+    const __m512 values = _mm512_mask_loadu_ps(lowest, Lanes(v - i), x + i);
+    nan |= _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, values);
+  }
   *first = v - 1;
+  if (nan) {
+    *top = NAN;
+    return;
+  }
+  *top = _mm512_reduce_max_ps(best);
   const __m512 target = _mm512_set1_ps(*top);
   for (int64_t i = 0; i < v; i += 16) {
     const __mmask16 hits = _mm512_mask_cmp_ps_mask(Lanes(v - i), Load16(x + i, Lanes(v - i)), target, _CMP_EQ_OQ);
@@ -106,13 +118,17 @@ ffi::Error TokenPick(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Bu
       float top;
       int64_t token;
       Maximum(x, v, &top, &token);
-      if (tp[b] != 0.0f) {
-        const float scale = 1.0f / std::fmax(tp[b], kMinTemperature);
-        token = Draw(x, v, scale, top, up[b] * Total(x, v, scale, top));
-      }
       const float scale = 1.0f / logprob_temperature;
+      float total = -1.0f;  // the log-prob's sum, when the draw's is the same
+      if (tp[b] != 0.0f) {
+        const float draw_scale = 1.0f / std::fmax(tp[b], kMinTemperature);
+        const float draw_total = Total(x, v, draw_scale, top);
+        if (draw_scale == scale) total = draw_total;
+        token = Draw(x, v, draw_scale, top, up[b] * draw_total);
+      }
+      if (total < 0.0f) total = Total(x, v, scale, top);
       out_tokens[b] = static_cast<int32_t>(token);
-      out_logprobs[b] = (x[token] - top) * scale - std::log(Total(x, v, scale, top));
+      out_logprobs[b] = (x[token] - top) * scale - std::log(total);
     }
   });
   return ffi::Error::Success();
