@@ -184,13 +184,15 @@ def _without_native_kernels() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _without_amx() -> Iterator[None]:
-    """Programs traced inside take XLA's dots for the projections (the decode attention kernel stays)."""
-    available = native_kernels.amx_available
+    """Programs traced inside take XLA's dots for the projections: no AMX (bf16) and no packed strips (fp32); the
+    decode attention and token-pick kernels stay."""
+    available, strips = native_kernels.amx_available, native_kernels.strip_matmul_applies
     native_kernels.amx_available = lambda: False
+    native_kernels.strip_matmul_applies = lambda *args: False
     try:
         yield
     finally:
-        native_kernels.amx_available = available
+        native_kernels.amx_available, native_kernels.strip_matmul_applies = available, strips
 
 
 def _fresh_seconds(model: Any, config: SamplerConfig, prompts: list[list[int]]) -> tuple[float, float]:
