@@ -195,11 +195,16 @@ def amx_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
 def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
     """``x @ w`` (``x @ w.T`` when ``transposed``) over ``x``'s last axis for bf16 ``x`` [..., K] (at most 32 rows)
     and ``w`` [K, N] ([N, K]), accumulated and returned in fp32 (the conditions: :func:`amx_matmul_applies`)."""
-    _register(AMX_MATMUL)
+    return _rows_product(AMX_MATMUL, x, w.shape[0] if transposed else w.shape[1], w, transposed=transposed)
+
+
+def _rows_product(kernel: Kernel, x: jax.Array, outputs: int, *operands: jax.Array, **attributes: object) -> jax.Array:
+    """fp32 [..., outputs] from a product ``kernel`` run on ``x``'s rows as [M, K] and ``operands``: the calling
+    convention of every projection kernel here."""
+    _register(kernel)
     rows = x.reshape(-1, x.shape[-1])
-    outputs = w.shape[0] if transposed else w.shape[1]
-    call = jax.ffi.ffi_call(AMX_MATMUL.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
-    return call(rows, w, transposed=transposed).reshape(*x.shape[:-1], outputs)
+    call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
+    return call(rows, *operands, **attributes).reshape(*x.shape[:-1], outputs)
 
 
 def amx_gemm_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
@@ -216,10 +221,7 @@ def amx_gemm(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` over ``x``'s last axis for bf16 ``x`` [..., K] of any number of rows and ``w`` [K, N], accumulated
     and returned in fp32 on AMX tiles: 32 x 32 output blocks, each panel of w reordered once per call, in groups
     of at most 1 MB per thread."""
-    _register(AMX_GEMM)
-    rows = x.reshape(-1, x.shape[-1])
-    call = jax.ffi.ffi_call(AMX_GEMM.target, jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32))
-    return call(rows, w).reshape(*x.shape[:-1], w.shape[1])
+    return _rows_product(AMX_GEMM, x, w.shape[1], w)
 
 
 _packing = contextvars.ContextVar("agentgym_jax_packed_projections", default=False)
@@ -257,11 +259,7 @@ def amx_matmul_packed(x: jax.Array, packed: jax.Array) -> jax.Array:
     """``x @ w`` for bf16 ``x`` [..., K] (at most 32 rows) and ``packed`` = :func:`pack_for_amx` (w), in fp32: each
     thread streams whole panels of w and keeps their outputs in tiles (:func:`amx_matmul` reorders every block of w
     on the fly and reads 32 rows of it at once, ~14 GB/s out of cache against ~23 here)."""
-    _register(AMX_MATMUL_PACKED)
-    rows = x.reshape(-1, x.shape[-1])
-    outputs = packed.shape[0] * AMX_BLOCK
-    call = jax.ffi.ffi_call(AMX_MATMUL_PACKED.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
-    return call(rows, packed).reshape(*x.shape[:-1], outputs)
+    return _rows_product(AMX_MATMUL_PACKED, x, packed.shape[0] * AMX_BLOCK, packed)
 
 
 def strip_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
@@ -288,11 +286,7 @@ def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
     """``x @ w`` for fp32 ``x`` [..., K] (at most 32 rows) and ``packed`` = :func:`pack_strips` (w): each thread
     streams three strips at a time and keeps the outputs of 8 rows in registers across all of K (XLA's dots ran
     these products at ~10 GB/s at 8 rows, half the memory bandwidth)."""
-    _register(STRIP_MATMUL)
-    rows = x.reshape(-1, x.shape[-1])
-    outputs = packed.shape[0] * STRIP_LANES
-    call = jax.ffi.ffi_call(STRIP_MATMUL.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
-    return call(rows, packed).reshape(*x.shape[:-1], outputs)
+    return _rows_product(STRIP_MATMUL, x, packed.shape[0] * STRIP_LANES, packed)
 
 
 def token_pick_applies(logits: jax.Array) -> bool:

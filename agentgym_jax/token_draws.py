@@ -15,11 +15,17 @@ from agentgym_jax import native_kernels
 _SEARCH_STEPS = 32  # bisection over the 2^32 int32 keys: exact
 
 
+def row_uniforms(row_keys: jax.Array) -> jax.Array:
+    """One uniform number in [0, 1) per row key [B]: what a row's draw inverts its distribution at (the pure-JAX
+    draw and the native kernel take the same numbers, so they draw the same tokens)."""
+    return jax.vmap(jax.random.uniform)(row_keys)
+
+
 def inverse_cdf_sample(row_keys: jax.Array, logits: jax.Array) -> jax.Array:
     """One draw per row from ``softmax(logits)`` [B, V] by inverting its cumulative distribution with one uniform
     number per row. Exact like Gumbel-max (``jax.random.categorical``), which needs V random numbers per row:
     hashing those was 4x the cost of this whole function on a CPU (22 vs 5 ms at 32 x 49k)."""
-    uniform = jax.vmap(jax.random.uniform)(row_keys)  # [B] in [0, 1)
+    uniform = row_uniforms(row_keys)
     cdf = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)
     # The first index whose cumulative mass exceeds u * total: a zero-probability token is never picked.
     picked = jnp.sum(cdf <= (uniform * cdf[:, -1])[:, None], axis=-1)
@@ -84,9 +90,9 @@ def draw_tokens(
     model's log-probs of them at ``logprob_temperature``). A batch with no greedy row skips the greedy pick and
     one with only greedy rows skips the draw."""
     batch = logits.shape[0]
+    row_keys = jax.vmap(jax.random.fold_in)(keys, counters)
     if not filtered and native_kernels.token_pick_applies(logits):
-        uniform = jax.vmap(jax.random.uniform)(jax.vmap(jax.random.fold_in)(keys, counters))
-        return native_kernels.token_pick(logits, temperature, uniform, logprob_temperature)
+        return native_kernels.token_pick(logits, temperature, row_uniforms(row_keys), logprob_temperature)
     logprobs_all = jax.nn.log_softmax(logits / logprob_temperature, axis=-1)
     greedy_rows = temperature == 0
     none = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731
@@ -95,7 +101,6 @@ def draw_tokens(
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
         if filtered:
             scaled = jnp.where(top_k_top_p_mask(scaled, top_k, top_p), scaled, -jnp.inf)
-        row_keys = jax.vmap(jax.random.fold_in)(keys, counters)
         return inverse_cdf_sample(row_keys, scaled).astype(jnp.int32)
 
     greedy = jax.lax.cond(jnp.any(greedy_rows), lambda: first_argmax(logits), none)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from agentgym_jax import hf, native_kernels
 from agentgym_jax.mixed_matmul import mixed_dot
-from tests.test_native_kernels import _use_native_kernels
+from tests.test_native_kernels import _use_native_kernels, assert_same_gradients_with_and_without_kernels
 from tests.test_sampling import _pair
 
 pytestmark = pytest.mark.skipif(not native_kernels.amx_available(), reason="this CPU has no AMX bf16 tiles")
@@ -50,16 +50,7 @@ def test_mixed_dot_takes_the_kernel_for_bf16_products_of_many_rows(monkeypatch):
     _use_native_kernels(monkeypatch, "0")
     assert _gemm_calls(product, jnp.ones((40, 64), jnp.bfloat16), w) == 0
 
-    # the gradients stay XLA products: equal with the kernel on and off
-    rng = np.random.RandomState(0)
-    x, w = (jnp.asarray(rng.randn(*shape), jnp.bfloat16) for shape in ((3, 40, 64), (64, 96)))
-    loss = lambda x, w: jnp.sum(mixed_dot(x, w).astype(jnp.float32) ** 2)  # noqa: E731
-    grads = {}
-    for setting in ("1", "0"):
-        _use_native_kernels(monkeypatch, setting)
-        grads[setting] = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
-    for ours, reference in zip(grads["1"], grads["0"]):
-        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(reference, np.float32), rtol=2e-2)
+    assert_same_gradients_with_and_without_kernels(monkeypatch, (3, 40, 64))  # 120 rows: amx_gemm when on
 
 
 def test_a_bf16_prompt_runs_its_projections_on_the_kernel_with_the_pure_jax_logits(tmp_path_factory, monkeypatch):

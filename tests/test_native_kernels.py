@@ -176,9 +176,14 @@ def test_mixed_dot_takes_the_kernel_for_bf16_products_of_few_rows_only(monkeypat
     _use_native_kernels(monkeypatch, "0")
     assert _amx_calls(product, jnp.ones((2, 64), jnp.bfloat16), w) == 0
 
-    # the gradients stay XLA products: equal with the kernel on and off
+    assert_same_gradients_with_and_without_kernels(monkeypatch, (4, 64))
+
+
+def assert_same_gradients_with_and_without_kernels(monkeypatch, x_shape: tuple[int, ...]) -> None:
+    """The gradients of a bf16 mixed_dot of x [*x_shape] and w [64, 96] stay XLA products: equal with the native
+    kernels on and off."""
     rng = np.random.RandomState(0)
-    x, w = (jnp.asarray(rng.randn(*shape), jnp.bfloat16) for shape in ((4, 64), (64, 96)))
+    x, w = (jnp.asarray(rng.randn(*shape), jnp.bfloat16) for shape in (x_shape, (64, 96)))
     loss = lambda x, w: jnp.sum(mixed_dot(x, w).astype(jnp.float32) ** 2)  # noqa: E731
     grads = {}
     for setting in ("1", "0"):
@@ -203,7 +208,8 @@ def test_a_bf16_model_runs_its_projections_on_the_kernel_with_the_pure_jax_logit
     assert np.abs(logits["1"]).max() > 0.1
     np.testing.assert_allclose(logits["1"], logits["0"], atol=2e-2 * np.abs(logits["0"]).max())
     _use_native_kernels(monkeypatch, "1")
-    assert _amx_calls(forward, state, jnp.ones((1, 33), jnp.int32)) == 0  # a prompt of 33 tokens: amx_gemm (test_amx_gemm)
+    # a prompt of 33 tokens: amx_gemm instead (tests/test_amx_gemm.py)
+    assert _amx_calls(forward, state, jnp.ones((1, 33), jnp.int32)) == 0
 
 
 @needs_amx

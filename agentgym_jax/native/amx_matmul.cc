@@ -55,11 +55,22 @@ void ConfigureTiles(int64_t m, bool transposed) {
   _tile_loadconfig(&config);
 }
 
+// The 32 x 32 block of w whose first element is rows[0] (row stride n) in the tiles' pair layout: out[0, 512)
+// holds columns 0-15, out[512, 1024) columns 16-31, pair row r lane c (rows[2r][c], rows[2r + 1][c]). Used by all
+// three ways of reordering w: on the fly (Columns), once per call (AmxPack) and once per GEMM call (ReorderPanel).
+inline void ReorderBlock(const uint16_t* rows, int64_t n, const agentgym::PairInterleave& pairs, uint16_t* out) {
+  for (int r = 0; r < 16; ++r) {
+    const __m512i even = _mm512_loadu_si512(rows + 2 * r * n), odd = _mm512_loadu_si512(rows + (2 * r + 1) * n);
+    _mm512_storeu_si512(out + 32 * r, pairs.Low(even, odd));
+    _mm512_storeu_si512(out + 512 + 32 * r, pairs.High(even, odd));
+  }
+}
+
 // y[:, c0:c1] for x [M, K] and w [K, N] (bf16 bits), M <= 32 (more than 16: kTwoGroups), K and the column range
 // multiples of 32.
 template <bool kTwoGroups>
 void Columns(const uint16_t* x, const uint16_t* w, int64_t k_size, int64_t n, int64_t c0, int64_t c1, float* y) {
-  alignas(64) uint16_t low[16 * 32], high[16 * 32];  // w's panel block in VNNI order, columns 0-15 and 16-31
+  alignas(64) uint16_t block[1024];  // w's panel block in VNNI order: columns 0-15, then 16-31
   const agentgym::PairInterleave pairs;  // lane c of a VNNI row: (row 2r, column c), (row 2r + 1, column c)
   const uint16_t* x1 = x + kTileRows * k_size;  // group 1's rows
   float* y1 = y + kTileRows * n;
@@ -82,15 +93,10 @@ void Columns(const uint16_t* x, const uint16_t* w, int64_t k_size, int64_t n, in
           _tile_loadd(6, y1 + c + 16, n * 4);
         }
       }
-      const uint16_t* rows = w + k * n + c;
-      for (int r = 0; r < 16; ++r) {
-        const __m512i even = _mm512_loadu_si512(rows + 2 * r * n), odd = _mm512_loadu_si512(rows + (2 * r + 1) * n);
-        _mm512_store_si512(low + 32 * r, pairs.Low(even, odd));
-        _mm512_store_si512(high + 32 * r, pairs.High(even, odd));
-      }
-      asm volatile("" ::: "memory");  // the tile loads below read low/high: the compiler must keep the stores
-      _tile_loadd(3, low, 64);
-      _tile_loadd(4, high, 64);
+      ReorderBlock(w + k * n + c, n, pairs, block);
+      asm volatile("" ::: "memory");  // the tile loads below read the block: the compiler must keep the stores
+      _tile_loadd(3, block, 64);
+      _tile_loadd(4, block + 512, 64);
       _tile_dpbf16ps(0, 2, 3);
       _tile_dpbf16ps(1, 2, 4);
       _tile_stored(0, y + c, n * 4);
@@ -244,16 +250,8 @@ ffi::Error AmxPack(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultBu
   agentgym::Parallel(pool, k_blocks, [&](int64_t begin, int64_t end) {
     const agentgym::PairInterleave pairs;
     for (int64_t kb = begin; kb < end; ++kb)
-      for (int r = 0; r < 16; ++r) {
-        const uint16_t* even = wp + (kb * kBlock + 2 * r) * n;
-        const uint16_t* odd = even + n;
-        for (int64_t p = 0; p < n / kBlock; ++p) {
-          const __m512i e = _mm512_loadu_si512(even + p * kBlock), o = _mm512_loadu_si512(odd + p * kBlock);
-          uint16_t* block = out + (p * k_blocks + kb) * 1024 + r * 32;
-          _mm512_storeu_si512(block, pairs.Low(e, o));
-          _mm512_storeu_si512(block + 512, pairs.High(e, o));
-        }
-      }
+      for (int64_t p = 0; p < n / kBlock; ++p)
+        ReorderBlock(wp + kb * kBlock * n + p * kBlock, n, pairs, out + (p * k_blocks + kb) * 1024);
   });
   return ffi::Error::Success();
 }
@@ -300,12 +298,7 @@ void ConfigureGemmTiles() {
 void ReorderPanel(const uint16_t* w, int64_t k_size, int64_t n, int64_t p, const agentgym::PairInterleave& pairs,
                   uint16_t* out) {
   for (int64_t kb = 0; kb < k_size / kBlock; ++kb)
-    for (int r = 0; r < 16; ++r) {
-      const uint16_t* even = w + (kb * kBlock + 2 * r) * n + p * kBlock;
-      const __m512i e = _mm512_loadu_si512(even), o = _mm512_loadu_si512(even + n);
-      _mm512_storeu_si512(out + kb * 1024 + r * 32, pairs.Low(e, o));
-      _mm512_storeu_si512(out + kb * 1024 + 512 + r * 32, pairs.High(e, o));
-    }
+    ReorderBlock(w + kb * kBlock * n + p * kBlock, n, pairs, out + kb * 1024);
   asm volatile("" ::: "memory");  // the tile loads that read out come after these stores
 }
 
