@@ -238,6 +238,7 @@ def measure_step() -> dict:
         "generated_tokens_per_s": tokens / max(med["time/sampling_s"], 1e-9),
         "time_split_s": split,
         "time_split_share": {part: seconds / middle["time/step_s"] for part, seconds in split.items()},
+        "step_s": med["time/step_s"],  # with whatever programs the step built
         "warmup_step_s": warmup["time/step_s"],
         # new shapes (batch, prompt and window buckets, packed update sizes) still compile in the first steps;
         # a program build is its trace, lowering and XLA compile
@@ -246,6 +247,10 @@ def measure_step() -> dict:
         "timed_steps": len(timed),
         "statistic": "median over timed steps after one compiling warm-up step; time_split_s is the median step's",
     }
+
+
+# keys earlier versions of the step part wrote, under names it no longer uses (the report would keep them stale)
+RENAMED_STEP_KEYS = ("compile_s_per_step", "step_s_without_compiles")
 
 
 def main(argv: list[str]) -> None:
@@ -258,6 +263,8 @@ def main(argv: list[str]) -> None:
         suffix = ("_other_policy" if _LOOP_MODEL.value else "") + ("_babyai" if _LOOP_ENV.value == "babyai" else "")
         payload.update({key + suffix: value for key, value in loops.items()})
     if _PART.value in ("all", "step"):
+        for renamed in RENAMED_STEP_KEYS:
+            payload.pop(renamed, None)
         payload.update(measure_step())
     if _PART.value in ("all", "async_env"):
         payload.update(measure_async_env())

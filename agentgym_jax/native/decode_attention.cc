@@ -68,14 +68,16 @@ inline float SoftmaxNumerators(float* s, int64_t n) {
 #ifdef __AVX512F__
 // Walks a strided region (rows of `bytes` bytes, `stride` bytes apart) one cache line per step(), asking for each
 // line ahead of use: the next head's keys and values are read while this head computes (their rows are short and
-// far apart, so the hardware prefetchers start late and a core otherwise waits on each line).
+// far apart, so the hardware prefetchers start late and a core otherwise waits on each line). The lines go to L2,
+// not L1: a head's keys and values (59 KB at 232 slots) do not fit L1 beside the next head's, and L1 prefetches
+// held more of the core's few outstanding-miss slots (30 layers at batch 32: 0.53 -> 0.48 ms a layer).
 struct Prefetcher {
   const char* base = nullptr;
   int64_t rows = 0, bytes = 0, stride = 0, row = 0, offset = 0;
 
   void step() {
     if (row >= rows) return;
-    _mm_prefetch(base + row * stride + offset, _MM_HINT_T0);
+    _mm_prefetch(base + row * stride + offset, _MM_HINT_T1);
     offset += 64;
     if (offset >= bytes) offset = 0, ++row;
   }
@@ -272,7 +274,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
         q.typed_data(), keys_out->untyped_data(), values_out->untyped_data(), new_keys.untyped_data(),
         new_values.untyped_data(), limits.typed_data(), kv_heads, groups, head_dim, slots, scale, out->typed_data(),
         begin, end);
-  }, /*chunks_per_worker=*/8);  // heads take a few microseconds each
+  }, /*chunks_per_worker=*/4);  // heads take a few microseconds each; a chunk's first head starts cold
   return ffi::Error::Success();
 }
 
