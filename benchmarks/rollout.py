@@ -249,10 +249,6 @@ def measure_step() -> dict:
     }
 
 
-# keys earlier versions of the step part wrote, under names it no longer uses (the report would keep them stale)
-RENAMED_STEP_KEYS = ("compile_s_per_step", "step_s_without_compiles")
-
-
 def main(argv: list[str]) -> None:
     del argv
     path = RESULTS_DIR / "rollout.json"
@@ -263,8 +259,6 @@ def main(argv: list[str]) -> None:
         suffix = ("_other_policy" if _LOOP_MODEL.value else "") + ("_babyai" if _LOOP_ENV.value == "babyai" else "")
         payload.update({key + suffix: value for key, value in loops.items()})
     if _PART.value in ("all", "step"):
-        for renamed in RENAMED_STEP_KEYS:
-            payload.pop(renamed, None)
         payload.update(measure_step())
     if _PART.value in ("all", "async_env"):
         payload.update(measure_async_env())
