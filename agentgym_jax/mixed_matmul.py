@@ -43,6 +43,8 @@ def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _mixed_dot(x: jax.Array, w: jax.Array, transposed: bool, out_dtype: np.dtype) -> jax.Array:
+    if out_dtype == jnp.bfloat16 and native_kernels.amx_gemm_applies(x, w, transposed):
+        return native_kernels.amx_gemm(x, w, out_dtype)  # rounded in the kernel: no fp32 [M, N] in memory
     return _contract(x, w, transposed).astype(out_dtype)
 
 

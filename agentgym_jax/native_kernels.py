@@ -198,12 +198,13 @@ def amx_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Arra
     return _rows_product(AMX_MATMUL, x, w.shape[0] if transposed else w.shape[1], w, transposed=transposed)
 
 
-def _rows_product(kernel: Kernel, x: jax.Array, outputs: int, *operands: jax.Array, **attributes: object) -> jax.Array:
-    """fp32 [..., outputs] from a product ``kernel`` run on ``x``'s rows as [M, K] and ``operands``: the calling
-    convention of every projection kernel here."""
+def _rows_product(kernel: Kernel, x: jax.Array, outputs: int, *operands: jax.Array, out_dtype: object = jnp.float32,
+                  **attributes: object) -> jax.Array:
+    """[..., outputs] (fp32 unless ``out_dtype``) from a product ``kernel`` run on ``x``'s rows as [M, K] and
+    ``operands``: the calling convention of every projection kernel here."""
     _register(kernel)
     rows = x.reshape(-1, x.shape[-1])
-    call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), jnp.float32))
+    call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), out_dtype))
     return call(rows, *operands, **attributes).reshape(*x.shape[:-1], outputs)
 
 
@@ -217,11 +218,14 @@ def amx_gemm_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
             and amx_available())
 
 
-def amx_gemm(x: jax.Array, w: jax.Array) -> jax.Array:
+def amx_gemm(x: jax.Array, w: jax.Array, out_dtype: object = jnp.float32) -> jax.Array:
     """``x @ w`` over ``x``'s last axis for bf16 ``x`` [..., K] of any number of rows and ``w`` [K, N], accumulated
-    and returned in fp32 on AMX tiles: 32 x 32 output blocks, each panel of w reordered once per call, in groups
-    of at most 1 MB per thread."""
-    return _rows_product(AMX_GEMM, x, w.shape[1], w)
+    in fp32 on AMX tiles (32 x 32 output blocks, each panel of w reordered once per call, in groups of at most 1 MB
+    per thread) and returned in fp32 or, with ``out_dtype`` bf16, rounded to it as XLA's convert would (the same
+    numbers as ``amx_gemm(x, w).astype(bfloat16)``, with half the bytes written and read back)."""
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"amx_gemm returns fp32 or bf16, not {jnp.dtype(out_dtype)}")
+    return _rows_product(AMX_GEMM, x, w.shape[1], w, out_dtype=jnp.dtype(out_dtype))
 
 
 _packing = contextvars.ContextVar("agentgym_jax_packed_projections", default=False)

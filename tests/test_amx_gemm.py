@@ -38,6 +38,26 @@ def test_products_equal_the_fp32_accumulated_dot(rows, k, n):
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("rows", [64, 45])  # whole blocks; a tail of 13 rows
+def test_a_bf16_result_is_the_fp32_one_rounded_as_xla_rounds_it(rows):
+    rng = np.random.RandomState(rows)
+    x = rng.randn(rows, 64).astype(np.float32)
+    x[0, :] = 0.0
+    x[0, :2] = [1.0, 2.0 ** -10]  # row 0 of the product: w[0] + w[1] / 1024
+    w = rng.randn(64, 96).astype(np.float32) * 0.1
+    w[:2, :5] = [[1.0, 1.0 + 2 ** -7, 1e-39, np.inf, 3e38],  # ties to even (down, up); a subnormal (AMX flushes it); NaN; large
+                 [4.0, 4.0, 2.0 ** -130, -np.inf, 4.0]]
+    x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    fp32 = jax.jit(native_kernels.amx_gemm)(x, w)
+    ours = np.asarray(jax.jit(lambda x, w: native_kernels.amx_gemm(x, w, jnp.bfloat16))(x, w))
+    expected = np.asarray(jax.jit(lambda y: y.astype(jnp.bfloat16))(fp32))
+    assert ours.dtype == jnp.bfloat16 and ours.shape == (rows, 96)
+    np.testing.assert_array_equal(ours.view(np.uint16), expected.view(np.uint16))
+    assert np.count_nonzero(ours.view(np.uint16) != np.asarray(fp32).view(np.uint32) >> 16) > 0  # rounded, not cut
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        native_kernels.amx_gemm(x, w, jnp.float16)
+
+
 def test_mixed_dot_takes_the_kernel_for_bf16_products_of_many_rows(monkeypatch):
     _use_native_kernels(monkeypatch, "1")
     w = jnp.ones((64, 96), jnp.bfloat16)

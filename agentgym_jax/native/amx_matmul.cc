@@ -15,10 +15,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
 #include "parallel.h"
+#include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -325,42 +327,77 @@ void Block32(const uint16_t* x, const uint16_t* panel, int64_t k_blocks, float* 
   _tile_stored(3, y + 16 * y_stride + 16, y_stride * 4);
 }
 
+// rows x 32 outputs from block ([.., 32] fp32, L1-resident) into y (row stride n): copied, or rounded to bf16.
+void StoreRows(const float* block, int64_t rows, float* y, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) std::copy(block + r * kBlock, block + (r + 1) * kBlock, y + r * n);
+}
+
+void StoreRows(const float* block, int64_t rows, uint16_t* y, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < kBlock; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + c),
+                          agentgym::RoundToBf16(_mm512_loadu_ps(block + r * kBlock + c)));
+}
+
+// AmxGemm's work for panels [begin, end), writing Out (fp32, or bf16 bits rounded from the fp32 sums: half the
+// bytes for the projections whose consumers take bf16; the tiles go through an L1 block first).
+template <typename Out>
+void GemmPanels(const uint16_t* xp, const uint16_t* wp, int64_t m, int64_t k_size, int64_t n, int64_t begin,
+                int64_t end, Out* yp) {
+  constexpr bool kDirect = std::is_same_v<Out, float>;  // fp32 tiles go straight to y
+  const int64_t k_blocks = k_size / kBlock, whole = m / kMaxRows * kMaxRows, tail = m - whole;
+  ConfigureGemmTiles();
+  const agentgym::PairInterleave pairs;
+  const int64_t panel_size = k_blocks * 1024;
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(end - begin, kGroupBytes / (panel_size * 2)));
+  std::vector<uint16_t> panels(group * panel_size), padded(tail ? kMaxRows * k_size : 0, 0);
+  std::copy(xp + whole * k_size, xp + m * k_size, padded.begin());
+  alignas(64) float block[kMaxRows * kBlock];
+  for (int64_t g0 = begin; g0 < end; g0 += group) {
+    const int64_t g1 = std::min(end, g0 + group);
+    for (int64_t p = g0; p < g1; ++p) ReorderPanel(wp, k_size, n, p, pairs, panels.data() + (p - g0) * panel_size);
+    for (int64_t r = 0; r + kMaxRows <= m; r += kMaxRows)
+      for (int64_t p = g0; p < g1; ++p) {
+        const uint16_t* panel = panels.data() + (p - g0) * panel_size;
+        if constexpr (kDirect) {
+          Block32(xp + r * k_size, panel, k_blocks, yp + r * n + p * kBlock, n);
+        } else {
+          Block32(xp + r * k_size, panel, k_blocks, block, kBlock);
+          asm volatile("" ::: "memory");  // the reads below see the tile stores
+          StoreRows(block, kMaxRows, yp + r * n + p * kBlock, n);
+        }
+      }
+    if (tail) {
+      for (int64_t p = g0; p < g1; ++p) {
+        Block32(padded.data(), panels.data() + (p - g0) * panel_size, k_blocks, block, kBlock);
+        asm volatile("" ::: "memory");  // the reads below see the tile stores
+        StoreRows(block, tail, yp + whole * n + p * kBlock, n);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// y [M, N] fp32, or bf16 (the products whose consumers round to bf16 anyway: the same numbers, half the bytes).
 ffi::Error AmxGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                   ffi::ResultBuffer<ffi::F32> y) {
+                   ffi::Result<ffi::AnyBuffer> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[1])
     return ffi::Error::InvalidArgument("amx_gemm: x [M, K], w [K, N] and y [M, N] expected");
-  const int64_t m = xd[0], k_size = xd[1], n = wd[1], k_blocks = k_size / kBlock;
+  const auto out_type = y->element_type();
+  if (out_type != ffi::F32 && out_type != ffi::BF16)
+    return ffi::Error::InvalidArgument("amx_gemm: y must be fp32 or bf16");
+  const int64_t m = xd[0], k_size = xd[1], n = wd[1];
   if (k_size % kBlock || n % kBlock) return ffi::Error::InvalidArgument("amx_gemm: K and N must be multiples of 32");
   if (!AgentgymAmxReady()) return ffi::Error::Internal("amx_gemm: the OS did not grant this process AMX tiles");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  float* yp = y->typed_data();
-  const int64_t whole = m / kMaxRows * kMaxRows, tail = m - whole;
+  void* yp = y->untyped_data();
   agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
-    ConfigureGemmTiles();
-    const agentgym::PairInterleave pairs;
-    const int64_t panel_size = k_blocks * 1024;
-    const int64_t group = std::max<int64_t>(1, std::min<int64_t>(end - begin, kGroupBytes / (panel_size * 2)));
-    std::vector<uint16_t> panels(group * panel_size), padded(tail ? kMaxRows * k_size : 0, 0);
-    std::copy(xp + whole * k_size, xp + m * k_size, padded.begin());
-    alignas(64) float last[kMaxRows * kBlock];
-    for (int64_t g0 = begin; g0 < end; g0 += group) {
-      const int64_t g1 = std::min(end, g0 + group);
-      for (int64_t p = g0; p < g1; ++p) ReorderPanel(wp, k_size, n, p, pairs, panels.data() + (p - g0) * panel_size);
-      for (int64_t r = 0; r + kMaxRows <= m; r += kMaxRows)
-        for (int64_t p = g0; p < g1; ++p)
-          Block32(xp + r * k_size, panels.data() + (p - g0) * panel_size, k_blocks, yp + r * n + p * kBlock, n);
-      if (tail) {
-        for (int64_t p = g0; p < g1; ++p) {
-          Block32(padded.data(), panels.data() + (p - g0) * panel_size, k_blocks, last, kBlock);
-          asm volatile("" ::: "memory");  // the reads below see the tile stores
-          for (int64_t r = 0; r < tail; ++r)
-            std::copy(last + r * kBlock, last + (r + 1) * kBlock, yp + (whole + r) * n + p * kBlock);
-        }
-      }
-    }
-    _tile_release();
+    if (out_type == ffi::F32)
+      GemmPanels(xp, wp, m, k_size, n, begin, end, static_cast<float*>(yp));
+    else
+      GemmPanels(xp, wp, m, k_size, n, begin, end, static_cast<uint16_t*>(yp));
   });
   return ffi::Error::Success();
 }
@@ -369,7 +406,7 @@ ffi::Error AmxGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxGemm, AmxGemm,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxMatmul, AmxMatmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()

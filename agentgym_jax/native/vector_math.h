@@ -30,5 +30,16 @@ inline __m512 Load16(const uint16_t* p, __mmask16 lanes) {  // bf16 bits widened
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
 }
 
+// 16 fp32 lanes rounded to bf16 bits the way XLA's convert rounds them: to nearest, ties to even, subnormals kept
+// (vcvtneps2bf16 flushes them), NaNs kept quiet NaNs.
+inline __m256i RoundToBf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
 }  // namespace agentgym
 #endif
