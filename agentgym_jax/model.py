@@ -164,8 +164,9 @@ def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rn
 
 
 def decodes_natively(cache_dtype: Any) -> bool:
-    """Whether a decode step over a cache of ``cache_dtype`` runs :func:`native_kernels.decode_attention` (which
-    reads only each row's own slots): an fp32 or bf16 cache, on CPU outside a mesh of several devices
+    """Whether a step over a cache of ``cache_dtype`` runs the native cache kernels, a decode step
+    :func:`native_kernels.decode_attention` (which reads only each row's own slots) and a prefill piece
+    :func:`native_kernels.cache_write`: an fp32 or bf16 cache, on CPU outside a mesh of several devices
     (:func:`native_kernels.enabled`). Decided when a program is traced."""
     return jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16) and native_kernels.enabled()
 
@@ -225,10 +226,15 @@ class Attention(nnx.Module):
         query_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if layer_cache is not None:
             query_slots = query_slots + cache_lengths[:, None]
-            write = lambda raw, new, axis: sharding.constrain(  # noqa: E731
-                attention.write_slots(raw, query_slots, new, layer_cache.dtype, axis), "kv_cache")
-            k_all = write(layer_cache.keys, k, attention.KEY_SLOT_AXIS)
-            v_all = write(layer_cache.values, v, attention.VALUE_SLOT_AXIS)
+            if decodes_natively(layer_cache.dtype):  # the same write, as copies rather than XLA's scatter
+                k_all, v_all = native_kernels.cache_write(layer_cache.keys, layer_cache.values, k, v, cache_lengths,
+                                                          layer_cache.dtype)
+            else:
+                k_all = attention.write_slots(layer_cache.keys, query_slots, k, layer_cache.dtype,
+                                              attention.KEY_SLOT_AXIS)
+                v_all = attention.write_slots(layer_cache.values, query_slots, v, layer_cache.dtype,
+                                              attention.VALUE_SLOT_AXIS)
+            k_all, v_all = sharding.constrain(k_all, "kv_cache"), sharding.constrain(v_all, "kv_cache")
             layer_cache = layer_cache._replace(keys=k_all, values=v_all)
             k = attention.from_storage(layer_cache.readable(k_all, attention.KEY_SLOT_AXIS), layer_cache.dtype)
             v = attention.from_storage(layer_cache.readable(v_all, attention.VALUE_SLOT_AXIS), layer_cache.dtype)

@@ -70,6 +70,7 @@ class Kernel:
 
 
 DECODE_ATTENTION = Kernel("decode_attention", "AgentgymDecodeAttention", "agentgym_decode_attention")
+CACHE_WRITE = Kernel("cache_write", "AgentgymCacheWrite", "agentgym_cache_write")
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 AMX_MATMUL = Kernel("amx_matmul", "AgentgymAmxMatmul", "agentgym_amx_matmul", AMX_FLAGS)
 AMX_MATMUL_PACKED = Kernel("amx_matmul", "AgentgymAmxMatmulPacked", "agentgym_amx_matmul_packed", AMX_FLAGS)
@@ -384,8 +385,24 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys:
     return out[:, None].astype(q.dtype), keys, values
 
 
+def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
+                starts: jax.Array, cache_dtype: object) -> tuple[jax.Array, jax.Array]:
+    """Row b's ``new_keys`` and ``new_values`` [B, S, K, H] written at slots ``starts[b]`` .. ``starts[b] + S - 1``
+    (none outside the cache) of the raw cache entries keys [B, K, H, T] and values [B, K, T, H] of ``cache_dtype``
+    (fp32, or bf16 held as uint16), in place: :func:`attention.write_slots` at those slots."""
+    if keys.dtype not in (jnp.float32, jnp.uint16) or values.dtype != keys.dtype:
+        raise TypeError(f"cache_write takes fp32 or bf16-bit (uint16) caches, got {keys.dtype}/{values.dtype}")
+    _register(CACHE_WRITE)
+    stored = lambda x: attention.to_storage(x.astype(cache_dtype))  # noqa: E731
+    call = jax.ffi.ffi_call(CACHE_WRITE.target, (jax.ShapeDtypeStruct(keys.shape, keys.dtype),
+                                                 jax.ShapeDtypeStruct(values.shape, values.dtype)),
+                            input_output_aliases={0: 0, 1: 1})
+    return call(keys, values, stored(new_keys), stored(new_values), starts.astype(jnp.int32))
+
+
 if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
     print(build(DECODE_ATTENTION))
+    print(build(CACHE_WRITE))
     if avx512_available():
         print(build(STRIP_MATMUL))
         print(build(TOKEN_PICK))
