@@ -63,6 +63,13 @@ class Linear(nnx.Module):
         else:
             self.lora_a = self.lora_b = None
 
+    def plain_kernel(self) -> jax.Array | None:
+        """The kernel in the compute dtype when this layer is ``x @ kernel`` alone (no adapter, no bias), else
+        None: what a fused kernel may take in its place."""
+        if self.lora_a is not None or self.bias is not None:
+            return None
+        return self.kernel[...].astype(self.dtype)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
         y = _dot(x, self.kernel[...].astype(self.dtype))

@@ -264,8 +264,12 @@ class MLP(nnx.Module):
         self.down_proj = _linear(f, d, config.mlp_bias, config, rngs, "down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gated = sharding.constrain(swiglu(self.gate_proj(x), self.up_proj(x)), "mlp")
-        return self.down_proj(gated)
+        gate, up = self.gate_proj.plain_kernel(), self.up_proj.plain_kernel()
+        if gate is not None and up is not None and native_kernels.amx_swiglu_applies(x.astype(gate.dtype), gate, up):
+            gated = native_kernels.amx_swiglu(x.astype(gate.dtype), gate, up)  # sampling: one pass, no products out
+        else:
+            gated = swiglu(self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(sharding.constrain(gated, "mlp"))
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -75,7 +75,10 @@ AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 AMX_MATMUL = Kernel("amx_matmul", "AgentgymAmxMatmul", "agentgym_amx_matmul", AMX_FLAGS)
 AMX_MATMUL_PACKED = Kernel("amx_matmul", "AgentgymAmxMatmulPacked", "agentgym_amx_matmul_packed", AMX_FLAGS)
 AMX_PACK = Kernel("amx_matmul", "AgentgymAmxPack", "agentgym_amx_pack", AMX_FLAGS)
-AMX_GEMM = Kernel("amx_matmul", "AgentgymAmxGemm", "agentgym_amx_gemm", AMX_FLAGS)
+AMX_GEMM = Kernel("amx_gemm", "AgentgymAmxGemm", "agentgym_amx_gemm", AMX_FLAGS)
+AMX_SWIGLU = Kernel("amx_gemm", "AgentgymAmxSwiGLU", "agentgym_amx_swiglu", AMX_FLAGS)
+AMX_SWIGLU_PACKED = Kernel("amx_matmul", "AgentgymAmxSwiGLUPacked", "agentgym_amx_swiglu_packed", AMX_FLAGS)
+AMX_PACK_PAIR = Kernel("amx_matmul", "AgentgymAmxPackPair", "agentgym_amx_pack_pair", AMX_FLAGS)
 AMX_ATTENTION_FORWARD = Kernel("amx_attention", "AgentgymAmxAttentionForward", "agentgym_amx_attention_forward",
                                AMX_FLAGS)
 AMX_ATTENTION_BACKWARD = Kernel("amx_attention", "AgentgymAmxAttentionBackward", "agentgym_amx_attention_backward",
@@ -86,7 +89,7 @@ TOKEN_PICK = Kernel("token_pick", "AgentgymTokenPick", "agentgym_token_pick")
 STRIP_LANES = 16  # strip_matmul's output count must be a multiple of this
 AMX_ATTENTION_HEAD_DIM = 64  # the only head dimension amx_attention's tiles are laid out for
 TARGET = DECODE_ATTENTION.target
-SHARED_HEADERS = tuple(NATIVE_DIR / name for name in ("parallel.h", "vector_math.h", "amx.h"))
+SHARED_HEADERS = tuple(NATIVE_DIR / name for name in ("parallel.h", "vector_math.h", "amx.h", "amx_blocks.h"))
 
 _registered: set[str] = set()
 
@@ -250,6 +253,49 @@ def packing_projections() -> bool:
     return _packing.get()
 
 
+_inference = contextvars.ContextVar("agentgym_jax_inference_only", default=False)
+
+
+@contextlib.contextmanager
+def inference_only():
+    """Within it (and within :func:`packed_projections`), programs are traced to sample, never to be differentiated:
+    the MLP's gate and up products and SwiGLU run as one kernel (:func:`amx_swiglu`), which has no gradient."""
+    token = _inference.set(True)
+    try:
+        yield
+    finally:
+        _inference.reset(token)
+
+
+def amx_swiglu_applies(x: jax.Array, gate: jax.Array, up: jax.Array) -> bool:
+    """Whether ``silu(x @ gate) * up`` runs :func:`amx_swiglu` in a program traced now: inside
+    :func:`inference_only` or :func:`packed_projections`, bf16 operands, K and N multiples of :data:`AMX_BLOCK`,
+    native kernels enabled (:func:`enabled`) on a CPU with AMX (:func:`amx_available`)."""
+    return ((_inference.get() or packing_projections()) and x.dtype == gate.dtype == up.dtype == jnp.bfloat16
+            and gate.ndim == 2 and gate.shape == up.shape and x.shape[-1] == gate.shape[0]
+            and gate.shape[0] % AMX_BLOCK == 0 and gate.shape[1] % AMX_BLOCK == 0 and enabled() and amx_available())
+
+
+def pack_pair_for_amx(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``gate`` and ``up`` [K, N] packed as :func:`pack_for_amx` packs [K, 2N], their 32-column panels in turn
+    (gate 0, up 0, gate 1, ...): :func:`amx_swiglu`'s packed operand."""
+    k, n = gate.shape
+    _register(AMX_PACK_PAIR)
+    packed = jax.ShapeDtypeStruct((2 * n // 32, k // 32, 2, 16, 16, 2), gate.dtype)
+    return jax.ffi.ffi_call(AMX_PACK_PAIR.target, packed)(gate, up)
+
+
+def amx_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(x @ gate) * up`` in bf16 for bf16 ``x`` [..., K] and ``gate``, ``up`` [K, N] (the conditions:
+    :func:`amx_swiglu_applies`): both products accumulated in fp32 on AMX tiles, rounded to bf16 and combined in
+    fp32 as :func:`agentgym_jax.model.swiglu` does, in one pass that never writes either product out. Inside
+    :func:`packed_projections` a product of at most 32 rows reads the panels packed once (:func:`pack_pair_for_amx`)."""
+    rows = int(np.prod(x.shape[:-1]))
+    if rows <= AMX_MAX_ROWS and packing_projections():
+        return _rows_product(AMX_SWIGLU_PACKED, x, gate.shape[1], pack_pair_for_amx(gate, up), out_dtype=jnp.bfloat16)
+    return _rows_product(AMX_SWIGLU, x, gate.shape[1], gate, up, out_dtype=jnp.bfloat16)
+
+
 def pack_for_amx(w: jax.Array) -> jax.Array:
     """w [K, N] (K, N multiples of 32) laid out for :func:`amx_matmul_packed`: [N/32, K/32, 2, 16, 16, 2], each
     32 x 32 block of a 32-column panel as two 16-column halves in the tiles' pair layout (two consecutive k of one
@@ -408,4 +454,5 @@ if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
         print(build(TOKEN_PICK))
     if amx_available():
         print(build(AMX_MATMUL))
+        print(build(AMX_GEMM))
         print(build(AMX_ATTENTION_FORWARD))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from agentgym_jax import sharding
+from agentgym_jax import native_kernels, sharding
 from agentgym_jax.attention import KEY_SLOT_AXIS, VALUE_SLOT_AXIS
 from agentgym_jax.model import KVCache
 
@@ -100,7 +100,8 @@ def prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengt
     """Writes each row's new tokens into its cache without sampling (rows with length 0 are untouched),
     attending over the first ``window`` slots."""
     model = nnx.merge(graphdef, state)
-    _, cache = model.forward(new_tokens, cache=limit_window(cache, window))
+    with native_kernels.inference_only():  # never differentiated: the sampling-only kernels may run
+        _, cache = model.forward(new_tokens, cache=limit_window(cache, window))
     return dataclasses.replace(cache, lengths=cache.lengths + new_lengths, window=None)
 
 

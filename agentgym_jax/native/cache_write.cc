@@ -67,8 +67,9 @@ ffi::Error CacheWrite(ffi::ThreadPool pool, ffi::AnyBuffer keys, ffi::AnyBuffer 
                  slots, pieces, begin, end);
     else
       WriteItems(static_cast<float*>(keys_out->untyped_data()), static_cast<float*>(values_out->untyped_data()),
-                 static_cast<const float*>(new_keys.untyped_data()), static_cast<const float*>(new_values.untyped_data()),
-                 starts.typed_data(), kv_heads, head_dim, slots, pieces, begin, end);
+                 static_cast<const float*>(new_keys.untyped_data()),
+                 static_cast<const float*>(new_values.untyped_data()), starts.typed_data(), kv_heads, head_dim, slots,
+                 pieces, begin, end);
   });
   return ffi::Error::Success();
 }
