@@ -45,7 +45,8 @@ def test_a_bf16_result_is_the_fp32_one_rounded_as_xla_rounds_it(rows):
     x[0, :] = 0.0
     x[0, :2] = [1.0, 2.0 ** -10]  # row 0 of the product: w[0] + w[1] / 1024
     w = rng.randn(64, 96).astype(np.float32) * 0.1
-    w[:2, :5] = [[1.0, 1.0 + 2 ** -7, 1e-39, np.inf, 3e38],  # ties to even (down, up); a subnormal (AMX flushes it); NaN; large
+    # ties to even (down, up); a subnormal (AMX flushes it); NaN; a large value
+    w[:2, :5] = [[1.0, 1.0 + 2 ** -7, 1e-39, np.inf, 3e38],
                  [4.0, 4.0, 2.0 ** -130, -np.inf, 4.0]]
     x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
     fp32 = jax.jit(native_kernels.amx_gemm)(x, w)
