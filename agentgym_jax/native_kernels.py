@@ -409,6 +409,13 @@ def _amx_attention_bwd(scale, residuals, d_out):
 amx_attention.defvjp(_amx_attention_fwd, _amx_attention_bwd)
 
 
+def _check_cache_entries(kernel: str, keys: jax.Array, values: jax.Array) -> None:
+    """Raises unless ``keys`` and ``values`` are both fp32 or both bf16 bits (uint16): the raw cache entries the
+    native cache kernels take (:func:`attention.storage_dtype`)."""
+    if keys.dtype not in (jnp.float32, jnp.uint16) or values.dtype != keys.dtype:
+        raise TypeError(f"{kernel} takes fp32 or bf16-bit (uint16) caches, got {keys.dtype}/{values.dtype}")
+
+
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
                      lengths: jax.Array, scale: float, cache_dtype: object) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's cache write and attention: writes row b's ``new_keys`` and ``new_values`` [B, 1, K, H] at slot
@@ -417,8 +424,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys:
     over the row's first ``lengths[b] + 1`` slots (clamped to [1, T]). Returns the output [B, 1, K, G, H] in q's
     dtype (computed in fp32) and the updated keys and values (the same buffers, updated in place). Equals
     :func:`attention.write_slots` then :func:`attention.attend_one_query`."""
-    if keys.dtype not in (jnp.float32, jnp.uint16) or values.dtype != keys.dtype:
-        raise TypeError(f"decode_attention takes fp32 or bf16-bit (uint16) caches, got {keys.dtype}/{values.dtype}")
+    _check_cache_entries("decode_attention", keys, values)
     _register()
     b, _, k, g, h = q.shape
     stored = lambda x: attention.to_storage(x[:, 0].astype(cache_dtype))  # noqa: E731
@@ -436,8 +442,7 @@ def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_val
     """Row b's ``new_keys`` and ``new_values`` [B, S, K, H] written at slots ``starts[b]`` .. ``starts[b] + S - 1``
     (none outside the cache) of the raw cache entries keys [B, K, H, T] and values [B, K, T, H] of ``cache_dtype``
     (fp32, or bf16 held as uint16), in place: :func:`attention.write_slots` at those slots."""
-    if keys.dtype not in (jnp.float32, jnp.uint16) or values.dtype != keys.dtype:
-        raise TypeError(f"cache_write takes fp32 or bf16-bit (uint16) caches, got {keys.dtype}/{values.dtype}")
+    _check_cache_entries("cache_write", keys, values)
     _register(CACHE_WRITE)
     stored = lambda x: attention.to_storage(x.astype(cache_dtype))  # noqa: E731
     call = jax.ffi.ffi_call(CACHE_WRITE.target, (jax.ShapeDtypeStruct(keys.shape, keys.dtype),

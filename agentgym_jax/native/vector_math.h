@@ -26,8 +26,12 @@ inline __mmask16 Lanes(int64_t left) {  // the first min(left, 16) lanes
 
 inline __m512 Load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 
-inline __m512 Load16(const uint16_t* p, __mmask16 lanes) {  // bf16 bits widened: shifted into the top half
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+inline __m512 WidenBf16(__m256i bits) {  // bf16 bits as the fp32 numbers they are: shifted into the top half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m512 Load16(const uint16_t* p, __mmask16 lanes) {  // bf16 bits, widened
+  return WidenBf16(_mm256_maskz_loadu_epi16(lanes, p));
 }
 
 // 16 fp32 lanes rounded to bf16 bits the way XLA's convert rounds them: to nearest, ties to even, subnormals kept
@@ -39,10 +43,6 @@ inline __m256i RoundToBf16(__m512 x) {
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-inline __m512 WidenBf16(__m256i bits) {  // bf16 bits as the fp32 numbers they are
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // bf16 bits of silu(g) * u for fp32 products g and u, computed as the model's unfused bf16 path does: g and u
