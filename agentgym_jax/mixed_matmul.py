@@ -13,7 +13,9 @@ On CPUs with AMX, a bf16 product of at most 32 rows (a decode step's projections
 on weights packed once per program call; its gradients stay XLA products. In fp32, products of at most 32 rows
 inside :func:`native_kernels.packed_projections` run :func:`native_kernels.strip_matmul` on weights packed into
 strips (:func:`native_kernels.strip_matmul_applies`). bf16 products of more than 32 rows (prompt prefill, the
-training forward pass) run :func:`native_kernels.amx_gemm` (:func:`native_kernels.amx_gemm_applies`).
+training forward pass) run :func:`native_kernels.amx_gemm` (:func:`native_kernels.amx_gemm_applies`), or on CPUs
+with AVX512-BF16 and no AMX :func:`native_kernels.bf16_gemm`, and bf16 products of at most 32 rows inside
+:func:`native_kernels.packed_projections` there run :func:`native_kernels.strip_matmul` as fp32 ones do.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
         return native_kernels.strip_matmul(x, native_kernels.pack_strips(w, transposed))
     if native_kernels.amx_gemm_applies(x, w, transposed):
         return native_kernels.amx_gemm(x, w)
+    if native_kernels.bf16_gemm_applies(x, w, transposed):
+        return native_kernels.bf16_gemm(x, w)
     if native_kernels.amx_matmul_applies(x, w, transposed):
         if not transposed and native_kernels.packing_projections():
             return native_kernels.amx_matmul_packed(x, native_kernels.pack_for_amx(w))
@@ -45,6 +49,8 @@ def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
 def _mixed_dot(x: jax.Array, w: jax.Array, transposed: bool, out_dtype: np.dtype) -> jax.Array:
     if out_dtype == jnp.bfloat16 and native_kernels.amx_gemm_applies(x, w, transposed):
         return native_kernels.amx_gemm(x, w, out_dtype)  # rounded in the kernel: no fp32 [M, N] in memory
+    if out_dtype == jnp.bfloat16 and native_kernels.bf16_gemm_applies(x, w, transposed):
+        return native_kernels.bf16_gemm(x, w, out_dtype)
     return _contract(x, w, transposed).astype(out_dtype)
 
 

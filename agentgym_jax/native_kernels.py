@@ -9,9 +9,11 @@
   tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and an
   OS that grants it). Inside :func:`packed_projections` (the generate program's decode loop) the same products
   read weights packed once per call (:func:`pack_for_amx`, :func:`amx_matmul_packed`).
-- :func:`strip_matmul` (``native/strip_matmul.cc``): fp32 projections of at most 32 rows inside
-  :func:`packed_projections`, on weights packed once per call into 16-column strips (:func:`pack_strips`; AVX-512),
-  where :func:`strip_matmul_applies`.
+- :func:`strip_matmul` (``native/strip_matmul.cc``; bf16: ``native/bf16_gemm.cc``): fp32 projections (and bf16
+  ones on CPUs with AVX512-BF16 and no AMX) of at most 32 rows inside :func:`packed_projections`, on weights
+  packed once per call into 16-column strips (:func:`pack_strips`; AVX-512), where :func:`strip_matmul_applies`.
+- :func:`bf16_gemm` (``native/bf16_gemm.cc``): bf16 products of more than 32 rows (prefill, the training forward
+  pass) with AVX512-BF16 dot products, on CPUs that have them and no AMX, where :func:`bf16_gemm_applies`.
 - :func:`token_pick` (``native/token_pick.cc``): a decode step's greedy pick or unfiltered draw and the picked
   token's log-probability from fp32 logits (AVX-512), where :func:`token_pick_applies`.
 - :func:`amx_attention` (``native/amx_attention.cc``): bf16 attention of many queries (training rows, prompt
@@ -85,6 +87,9 @@ AMX_ATTENTION_BACKWARD = Kernel("amx_attention", "AgentgymAmxAttentionBackward",
                                 AMX_FLAGS)
 STRIP_MATMUL = Kernel("strip_matmul", "AgentgymStripMatmul", "agentgym_strip_matmul")
 STRIP_PACK = Kernel("strip_matmul", "AgentgymStripPack", "agentgym_strip_pack")
+STRIP_MATMUL_BF16 = Kernel("bf16_gemm", "AgentgymBf16StripMatmul", "agentgym_bf16_strip_matmul")
+STRIP_PACK_BF16 = Kernel("bf16_gemm", "AgentgymBf16StripPack", "agentgym_bf16_strip_pack")
+BF16_GEMM = Kernel("bf16_gemm", "AgentgymBf16Gemm", "agentgym_bf16_gemm")
 TOKEN_PICK = Kernel("token_pick", "AgentgymTokenPick", "agentgym_token_pick")
 STRIP_LANES = 16  # strip_matmul's output count must be a multiple of this
 AMX_ATTENTION_HEAD_DIM = 64  # the only head dimension amx_attention's tiles are laid out for
@@ -186,6 +191,12 @@ def avx512_available() -> bool:
     return "avx512f" in _cpu_flags().split()
 
 
+@functools.cache
+def avx512_bf16_available() -> bool:
+    """Whether this CPU has AVX512-BF16 dot products (what :func:`bf16_gemm` is written in)."""
+    return "avx512_bf16" in _cpu_flags().split()
+
+
 def amx_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
     """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
     :func:`amx_matmul` in a program traced now: bf16 operands, at most :data:`AMX_MAX_ROWS` rows, K and N multiples
@@ -230,6 +241,25 @@ def amx_gemm(x: jax.Array, w: jax.Array, out_dtype: object = jnp.float32) -> jax
     if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
         raise TypeError(f"amx_gemm returns fp32 or bf16, not {jnp.dtype(out_dtype)}")
     return _rows_product(AMX_GEMM, x, w.shape[1], w, out_dtype=jnp.dtype(out_dtype))
+
+
+def bf16_gemm_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
+    """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` with :func:`bf16_gemm` in a program traced now:
+    where :func:`amx_gemm` would, but on a CPU with AVX512-BF16 (:func:`avx512_bf16_available`) and no AMX; K even
+    and N a multiple of :data:`STRIP_LANES`."""
+    rows = int(np.prod(x.shape[:-1]))
+    return (not transposed and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and w.ndim == 2
+            and rows > AMX_MAX_ROWS and x.shape[-1] % 2 == 0 and w.shape[1] % STRIP_LANES == 0 and enabled()
+            and avx512_bf16_available() and not amx_available())
+
+
+def bf16_gemm(x: jax.Array, w: jax.Array, out_dtype: object = jnp.float32) -> jax.Array:
+    """``x @ w`` over ``x``'s last axis for bf16 ``x`` [..., K] and ``w`` [K, N] with AVX512-BF16 dot products
+    (pairs of k at a time, fp32 sums; 48-column panels of w packed per call), returned in fp32 or rounded to bf16
+    as XLA's convert would. XLA's CPU backend converts bf16 operands to fp32 and multiplies at the fp32 rate."""
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"bf16_gemm returns fp32 or bf16, not {jnp.dtype(out_dtype)}")
+    return _rows_product(BF16_GEMM, x, w.shape[1], w, out_dtype=jnp.dtype(out_dtype))
 
 
 _packing = contextvars.ContextVar("agentgym_jax_packed_projections", default=False)
@@ -315,29 +345,41 @@ def amx_matmul_packed(x: jax.Array, packed: jax.Array) -> jax.Array:
 
 def strip_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
     """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
-    :func:`strip_matmul` in a program traced now: fp32 operands, at most :data:`AMX_MAX_ROWS` rows, an output count
-    that is a multiple of :data:`STRIP_LANES`, inside :func:`packed_projections`, native kernels enabled
-    (:func:`enabled`) on a CPU with AVX-512 (:func:`avx512_available`)."""
+    :func:`strip_matmul` in a program traced now: at most :data:`AMX_MAX_ROWS` rows, an output count that is a
+    multiple of :data:`STRIP_LANES`, inside :func:`packed_projections`, native kernels enabled (:func:`enabled`);
+    fp32 operands on a CPU with AVX-512 (:func:`avx512_available`), or bf16 ones with an even K on a CPU with
+    AVX512-BF16 and no AMX (where :func:`amx_matmul_packed` takes them)."""
     rows = int(np.prod(x.shape[:-1]))
     outputs = w.shape[0] if transposed else w.shape[-1]
-    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and 1 <= rows <= AMX_MAX_ROWS
-            and outputs % STRIP_LANES == 0 and packing_projections() and enabled() and avx512_available())
+    if x.dtype != w.dtype or w.ndim != 2 or not 1 <= rows <= AMX_MAX_ROWS or outputs % STRIP_LANES:
+        return False
+    if x.dtype == jnp.bfloat16:
+        return (x.shape[-1] % 2 == 0 and packing_projections() and enabled() and avx512_bf16_available()
+                and not amx_available())
+    return x.dtype == jnp.float32 and packing_projections() and enabled() and avx512_available()
 
 
 def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
-    """fp32 w [K, N] (``transposed``: [N, K]; N a multiple of 16) laid out for :func:`strip_matmul`: [N/16, K, 16],
-    strip s holding columns 16s to 16s + 15 row after row."""
-    _register(STRIP_PACK)
+    """w [K, N] (``transposed``: [N, K]; N a multiple of 16) laid out for :func:`strip_matmul`: fp32 as [N/16, K, 16],
+    strip s holding columns 16s to 16s + 15 row after row; bf16 (K even) as [N/16, K/2, 16, 2], each strip's rows
+    in pairs (w[2j, c] beside w[2j + 1, c]: what an AVX512-BF16 dot product multiplies)."""
     n, k = w.shape if transposed else w.shape[::-1]
-    return jax.ffi.ffi_call(STRIP_PACK.target, jax.ShapeDtypeStruct((n // STRIP_LANES, k, STRIP_LANES), w.dtype))(
-        w, transposed=transposed)
+    bf16 = w.dtype == jnp.bfloat16
+    kernel = STRIP_PACK_BF16 if bf16 else STRIP_PACK
+    _register(kernel)
+    shape = (n // STRIP_LANES, k // 2, STRIP_LANES, 2) if bf16 else (n // STRIP_LANES, k, STRIP_LANES)
+    return jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct(shape, w.dtype))(w, transposed=transposed)
 
 
 def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
-    """``x @ w`` for fp32 ``x`` [..., K] (at most 32 rows) and ``packed`` = :func:`pack_strips` (w): each thread
-    streams three strips at a time and keeps the outputs of 8 rows in registers across all of K (XLA's dots ran
-    these products at ~10 GB/s at 8 rows, half the memory bandwidth)."""
-    return _rows_product(STRIP_MATMUL, x, packed.shape[0] * STRIP_LANES, packed)
+    """``x @ w`` in fp32 for ``x`` [..., K] (at most 32 rows) and ``packed`` = :func:`pack_strips` (w), both fp32
+    (FMAs) or both bf16 (AVX512-BF16 dot products, ``native/bf16_gemm.cc``): each thread streams three strips at a
+    time and keeps the outputs of 8 rows in registers across all of K (XLA's dots ran these products at ~10 GB/s at
+    8 rows, half the memory bandwidth)."""
+    if x.dtype != packed.dtype:
+        raise TypeError(f"strip_matmul needs x and the packed strips in one dtype, got {x.dtype} and {packed.dtype}")
+    kernel = STRIP_MATMUL_BF16 if x.dtype == jnp.bfloat16 else STRIP_MATMUL
+    return _rows_product(kernel, x, packed.shape[0] * STRIP_LANES, packed)
 
 
 def token_pick_applies(logits: jax.Array) -> bool:
@@ -457,6 +499,8 @@ if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
     if avx512_available():
         print(build(STRIP_MATMUL))
         print(build(TOKEN_PICK))
+    if avx512_bf16_available():
+        print(build(BF16_GEMM))
     if amx_available():
         print(build(AMX_MATMUL))
         print(build(AMX_GEMM))

@@ -1,5 +1,5 @@
-"""fp32 decode projections on weights packed into strips (``native/strip_matmul.cc``): the layout, the products
-against numpy's, where mixed_dot takes them, and the sampler's fp32 decode loop on them."""
+"""Decode projections on weights packed into strips (``native/strip_matmul.cc``), fp32 and (on CPUs without AMX)
+bf16: the layout, the products against numpy's, where mixed_dot takes them, and the sampler's decode loop on them."""
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +14,14 @@ from tests.test_sampling import _pair
 
 pytestmark = pytest.mark.skipif(not native_kernels.avx512_available(), reason="this CPU has no AVX-512")
 PACK, PRODUCT = native_kernels.STRIP_PACK.target, native_kernels.STRIP_MATMUL.target
+PACK_BF16, PRODUCT_BF16 = native_kernels.STRIP_PACK_BF16.target, native_kernels.STRIP_MATMUL_BF16.target
+BF16_STRIPS = native_kernels.avx512_bf16_available() and not native_kernels.amx_available()
+DTYPES = [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.skipif(
+    not BF16_STRIPS, reason="bf16 strips need AVX512-BF16, and AMX tiles take bf16 decode products where present"))]
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_strips_hold_sixteen_columns_row_after_row(transposed):
+def test_fp32_strips_hold_sixteen_columns_row_after_row(transposed):
     w = np.arange(7 * 48, dtype=np.float32).reshape(7, 48)  # K = 7, N = 48
     source = jnp.asarray(w.T if transposed else w)
     packed = np.asarray(jax.jit(lambda w: native_kernels.pack_strips(w, transposed))(source))
@@ -25,20 +29,34 @@ def test_strips_hold_sixteen_columns_row_after_row(transposed):
     np.testing.assert_array_equal(packed, w.reshape(7, 3, 16).transpose(1, 0, 2))  # strip s, row k, lane c
 
 
+@pytest.mark.skipif(not BF16_STRIPS, reason="bf16 strips need AVX512-BF16 and no AMX")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16_strips_hold_sixteen_columns_in_pairs_of_rows(transposed):
+    w = np.arange(8 * 48, dtype=np.float32).reshape(8, 48) - 192  # K = 8, N = 48; |w| <= 192: integers in bf16
+    source = jnp.asarray(w.T if transposed else w, jnp.bfloat16)
+    packed = jax.jit(lambda w: native_kernels.pack_strips(w, transposed))(source)
+    assert packed.shape == (3, 4, 16, 2) and packed.dtype == jnp.bfloat16
+    # strip s, pair row j, lane c, member i: w[2j + i, 16s + c]
+    np.testing.assert_array_equal(np.asarray(packed, np.float32), w.reshape(4, 2, 3, 16).transpose(2, 0, 3, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("rows,k,n", [
     (1, 576, 192),  # one row, four panels of three strips
     (8, 100, 80),  # a last panel of two strips
-    (9, 7, 16),  # a second pass of one row; a single strip
+    (9, 6, 16),  # a second pass of one row; a single strip
     (13, 64, 112),  # a pass of 8 rows and one of 5; a last panel of one strip
     (32, 1536, 48),  # four passes of 8 rows
 ])
-def test_products_equal_numpys(rows, k, n, transposed):
+def test_products_equal_numpys(rows, k, n, transposed, dtype):
     rng = np.random.RandomState(rows + k + n)
-    x = rng.randn(rows, k).astype(np.float32)
-    w = rng.randn(n, k).astype(np.float32) if transposed else rng.randn(k, n).astype(np.float32)
+    x = jnp.asarray(rng.randn(rows, k), dtype)
+    w = jnp.asarray(rng.randn(n, k) if transposed else rng.randn(k, n), dtype)
     ours = jax.jit(lambda x, w: native_kernels.strip_matmul(x, native_kernels.pack_strips(w, transposed)))(x, w)
-    expected = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+    assert ours.dtype == jnp.float32
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)  # bf16 numbers are exact in fp32: fp32 sums either way
+    expected = x @ (w.T if transposed else w)
     assert np.abs(expected).max() > 1
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(x).max() * 4)
 
@@ -72,7 +90,11 @@ def test_mixed_dot_takes_the_kernel_for_fp32_products_of_few_rows_in_packed_loop
 
     assert PRODUCT in _targets(narrow, x, w[:, :48])
     assert PRODUCT not in _targets(narrow, x, w[:, :40])  # 40 outputs: not whole strips
-    assert PRODUCT not in _targets(steps, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    bf16 = _targets(steps, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    if BF16_STRIPS:
+        assert PRODUCT_BF16 in bf16 and bf16.count(f'custom_call_target="{PACK_BF16}"') == 1
+    else:  # AMX tiles take bf16 products of few rows, or XLA's dots do
+        assert PRODUCT_BF16 not in bf16
     _use_native_kernels(monkeypatch, "0")
     assert PRODUCT not in _targets(steps, x, w)
 
@@ -100,3 +122,26 @@ def test_fp32_sampling_on_strips_gives_xlas_tokens_and_logprobs(tmp_path_factory
     assert outputs[0].tokens == outputs[1].tokens and len(outputs[0].tokens[0]) == 8
     for a, b in zip(outputs[0].logprobs, outputs[1].logprobs):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.skipif(not BF16_STRIPS, reason="bf16 strips need AVX512-BF16 and no AMX")
+def test_bf16_sampling_on_strips_gives_xlas_tokens_and_logprobs(tmp_path_factory, monkeypatch):
+    _use_native_kernels(monkeypatch, "1")
+    _, _, model_dir = _pair("llama-gqa-tied", tmp_path_factory)
+    model = hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16")
+    outputs, compiled = [], []
+    program = sampling._generate_program
+    monkeypatch.setattr(sampling, "_generate_program", lambda *a, **k: compiled.append(
+        program.lower(*a, **k).compile().as_text()) or program(*a, **k))
+    for strips in (True, False):
+        applies = native_kernels.strip_matmul_applies
+        monkeypatch.setattr(native_kernels, "strip_matmul_applies", lambda *a, on=strips: on and applies(*a))
+        jax.clear_caches()
+        sampler = Sampler(model, SamplerConfig(cache_length=64))
+        _, out = sampler.generate(sampler.new_state(2), [[7] * 20 + [5], [9] * 25 + [6]], jax.random.PRNGKey(0),
+                                  SamplingParams(temperature=0.0, max_new_tokens=8))
+        outputs.append(out)
+    assert compiled[0].count(f'custom_call_target="{PACK_BF16}"') == 2 * 7 + 1 and PRODUCT_BF16 not in compiled[1]
+    assert outputs[0].tokens == outputs[1].tokens and len(outputs[0].tokens[0]) == 8
+    for a, b in zip(outputs[0].logprobs, outputs[1].logprobs):  # bf16 projections: sums in another order, rounded
+        np.testing.assert_allclose(a, b, atol=2e-2)

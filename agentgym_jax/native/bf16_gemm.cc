@@ -1,0 +1,232 @@
+// bf16 products on CPUs with AVX512-BF16 and no AMX, for XLA's CPU backend (XLA FFI custom calls), accumulated in
+// fp32: y [M, N] = x [M, K] @ w [K, N] for many rows (a prompt's prefill, the training forward pass), returned in
+// fp32 or rounded to bf16, and a decode step's products of at most 32 rows on w packed once per generate call.
+//
+// XLA's CPU backend runs a bf16 dot by converting both operands to fp32 and multiplying those, at the fp32 FMA rate.
+// vdpbf16ps multiplies 16 pairs of bf16 numbers and adds both products to 16 fp32 sums: twice the multiplies of an
+// fp32 FMA per instruction. Each thread takes a range of 48-column panels of w (three 16-column strips; the last
+// panel may hold fewer), and goes through them in groups of at most kGroupBytes, each group packed once into pair
+// rows ([K/2][width][2]: row kp holds w[2kp, c] and w[2kp + 1, c] next to each other for every column c) that stay
+// in L2. For every 8 rows of x (read from L1 across the group) it keeps each panel's 8 x 48 outputs in 24
+// registers across all of K, broadcasting each row's pair (x[r, 2kp], x[r, 2kp + 1]) against the panel's pair row.
+// vdpbf16ps sums each pair before adding it, and treats subnormal inputs and results as zero: the sums differ from
+// an fp32 dot of the widened operands by rounding only. Pure-JAX reference: the dot in agentgym_jax.mixed_matmul
+// (tests/test_bf16_gemm.py compares them).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "vector_math.h"
+#include "xla/ffi/api/ffi.h"
+
+#ifndef __AVX512BF16__
+#error "bf16_gemm needs AVX512-BF16 (agentgym_jax.native_kernels only builds it where the CPU has it)"
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kLanes = 16, kStripsPerPanel = 3, kPanelWidth = kLanes * kStripsPerPanel, kRows = 8;
+constexpr int64_t kGroupBytes = 512 << 10;
+
+// Columns [col, col + width) of w [K, N] as pair rows [K/2][width][2] (K even, width a multiple of 16).
+void PackPanel(const uint16_t* w, int64_t k_size, int64_t n, int64_t col, int64_t width, uint16_t* out) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t kp = 0; kp < k_size / 2; ++kp) {
+    const uint16_t* even = w + 2 * kp * n + col;
+    uint16_t* row = out + kp * width * 2;
+    for (int64_t c = 0; c < width; c += kLanes) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + c));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + n + c));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(row + 2 * c, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+inline void Store(float* y, __m512 sums) { _mm512_storeu_ps(y, sums); }
+inline void Store(uint16_t* y, __m512 sums) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), agentgym::RoundToBf16(sums));
+}
+
+// y[0:R, 16 S columns] (row stride n) for x's R rows (row stride k_size) against S strips of pair rows: strip s's
+// pair row kp (16 columns x 2) at w + s * strip_stride + kp * row_stride (a panel's strips share each pair row; a
+// decode step's packed strips are each one stream).
+template <int R, int S, typename Out>
+void Block(const uint16_t* x, int64_t k_size, const uint16_t* w, int64_t strip_stride, int64_t row_stride, Out* y,
+           int64_t n) {
+  __m512 acc[R][S];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < k_size / 2; ++kp) {
+    __m512bh pairs[S];
+#pragma GCC unroll 3
+    for (int s = 0; s < S; ++s)
+      pairs[s] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + s * strip_stride + kp * row_stride));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * k_size + 2 * kp, sizeof(pair));
+      const __m512bh xr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+#pragma GCC unroll 3
+      for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], xr, pairs[s]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int s = 0; s < S; ++s) Store(y + r * n + s * kLanes, acc[r][s]);
+}
+
+template <int S, typename Out>
+void Rows(int64_t rows, const uint16_t* x, int64_t k_size, const uint16_t* w, int64_t strip_stride, int64_t row_stride,
+          Out* y, int64_t n) {
+  switch (rows) {
+    case 1: return Block<1, S>(x, k_size, w, strip_stride, row_stride, y, n);
+    case 2: return Block<2, S>(x, k_size, w, strip_stride, row_stride, y, n);
+    case 3: return Block<3, S>(x, k_size, w, strip_stride, row_stride, y, n);
+    case 4: return Block<4, S>(x, k_size, w, strip_stride, row_stride, y, n);
+    case 5: return Block<5, S>(x, k_size, w, strip_stride, row_stride, y, n);
+    case 6: return Block<6, S>(x, k_size, w, strip_stride, row_stride, y, n);
+    case 7: return Block<7, S>(x, k_size, w, strip_stride, row_stride, y, n);
+    default: return Block<8, S>(x, k_size, w, strip_stride, row_stride, y, n);
+  }
+}
+
+// y[:, 16 first : 16 (first + strips)] for rows [r, r + kRows) of x against `strips` (1 to 3) strips at w.
+template <typename Out>
+void Strips(int64_t strips, const uint16_t* x, int64_t m, int64_t r, int64_t k_size, const uint16_t* w,
+            int64_t strip_stride, int64_t row_stride, Out* y, int64_t n, int64_t first) {
+  const int64_t rows = std::min(kRows, m - r);
+  const uint16_t* xr = x + r * k_size;
+  Out* out = y + r * n + first * kLanes;
+  if (strips == 3)
+    Rows<3>(rows, xr, k_size, w, strip_stride, row_stride, out, n);
+  else if (strips == 2)
+    Rows<2>(rows, xr, k_size, w, strip_stride, row_stride, out, n);
+  else
+    Rows<1>(rows, xr, k_size, w, strip_stride, row_stride, out, n);
+}
+
+// y[:, 48 p0 : 48 p1] for all of x's rows (the last panel may hold fewer than 3 strips).
+template <typename Out>
+void Panels(const uint16_t* x, int64_t m, int64_t k_size, const uint16_t* w, int64_t n, int64_t p0, int64_t p1,
+            Out* y) {
+  const int64_t panel_size = k_size * kPanelWidth;  // bf16 numbers in a whole panel
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (panel_size * 2));
+  std::vector<uint16_t> packed(std::min(group, p1 - p0) * panel_size);
+  for (int64_t g0 = p0; g0 < p1; g0 += group) {
+    const int64_t g1 = std::min(p1, g0 + group);
+    const auto width = [&](int64_t p) { return std::min(kPanelWidth, n - p * kPanelWidth); };
+    for (int64_t p = g0; p < g1; ++p)
+      PackPanel(w, k_size, n, p * kPanelWidth, width(p), packed.data() + (p - g0) * panel_size);
+    for (int64_t r = 0; r < m; r += kRows)
+      for (int64_t p = g0; p < g1; ++p)
+        Strips(width(p) / kLanes, x, m, r, k_size, packed.data() + (p - g0) * panel_size, 2 * kLanes, 2 * width(p),
+               y, n, p * kStripsPerPanel);
+  }
+}
+
+// y [M, N] fp32, or bf16 (rounded from the fp32 sums as XLA's convert rounds: half the bytes written).
+ffi::Error Bf16Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                    ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[1])
+    return ffi::Error::InvalidArgument("bf16_gemm: x [M, K], w [K, N] and y [M, N] expected");
+  const auto out_type = y->element_type();
+  if (out_type != ffi::F32 && out_type != ffi::BF16)
+    return ffi::Error::InvalidArgument("bf16_gemm: y must be fp32 or bf16");
+  const int64_t m = xd[0], k_size = xd[1], n = wd[1];
+  if (k_size % 2 || n % kLanes)
+    return ffi::Error::InvalidArgument("bf16_gemm: K must be even and N a multiple of 16");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  void* yp = y->untyped_data();
+  const int64_t panels = (n + kPanelWidth - 1) / kPanelWidth;
+  agentgym::Parallel(pool, panels, [&](int64_t begin, int64_t end) {
+    if (out_type == ffi::F32)
+      Panels(xp, m, k_size, wp, n, begin, end, static_cast<float*>(yp));
+    else
+      Panels(xp, m, k_size, wp, n, begin, end, static_cast<uint16_t*>(yp));
+  });
+  return ffi::Error::Success();
+}
+
+// A decode step's bf16 projections, y [M, N] fp32 = x [M, K] @ w for M <= 32, on w packed once per generate call by
+// Bf16StripPack into strips of pair rows [N/16, K/2, 16, 2]: each thread streams three strips at a time (fp32
+// strip_matmul's scheme, with half the bytes and half the instructions: no widening, two k per dot product).
+ffi::Error Bf16StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), pd = packed.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 4 || pd[2] != kLanes || pd[3] != 2 || 2 * pd[1] != xd[1] || yd.size() != 2
+      || yd[0] != xd[0] || yd[1] != pd[0] * kLanes)
+    return ffi::Error::InvalidArgument("bf16_strip_matmul: x [M, K], packed [N/16, K/2, 16, 2], y [M, N] expected");
+  const int64_t m = xd[0], k_size = xd[1], n = yd[1], strips = pd[0];
+  if (m < 1 || m > 32) return ffi::Error::InvalidArgument("bf16_strip_matmul: needs 1 <= M <= 32");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.untyped_data());
+  float* yp = y->typed_data();
+  const int64_t strip_size = k_size * kLanes;  // bf16 numbers in a strip
+  agentgym::Parallel(pool, (strips + kStripsPerPanel - 1) / kStripsPerPanel, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * kStripsPerPanel, count = std::min(kStripsPerPanel, strips - first);
+      for (int64_t r = 0; r < m; r += kRows)  // rows past the first 8 read the strips again, from L2
+        Strips(count, xp, m, r, k_size, wp + first * strip_size, strip_size, 2 * kLanes, yp, n, first);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// packed [N/16, K/2, 16, 2] from w [K, N] (transposed: w [N, K], a tied output head): strip s, pair row kp, lane c
+// holds w[2kp, 16s + c] and w[2kp + 1, 16s + c] (transposed: w[16s + c, 2kp] and w[16s + c, 2kp + 1], one 32-bit
+// word of w's row, gathered 16 rows at a time).
+ffi::Error Bf16StripPack(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, bool transposed,
+                         ffi::ResultBuffer<ffi::BF16> packed) {
+  const auto wd = w.dimensions(), pd = packed->dimensions();
+  const int64_t k_size = wd.size() == 2 ? wd[transposed ? 1 : 0] : 0, n = wd.size() == 2 ? wd[transposed ? 0 : 1] : 0;
+  if (wd.size() != 2 || n % kLanes || k_size % 2 || pd.size() != 4 || pd[0] * kLanes != n || 2 * pd[1] != k_size
+      || pd[2] != kLanes || pd[3] != 2)
+    return ffi::Error::InvalidArgument(
+        "bf16_strip_pack: w [K, N] (transposed: [N, K]) with K even and N a multiple of 16, and packed "
+        "[N/16, K/2, 16, 2] expected");
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  auto* out = reinterpret_cast<uint16_t*>(packed->untyped_data());
+  const int64_t strip_size = k_size * kLanes;
+  agentgym::Parallel(pool, n / kLanes, [&](int64_t begin, int64_t end) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int>(k_size / 2)));
+    for (int64_t s = begin; s < end; ++s) {
+      if (!transposed) {
+        PackPanel(wp, k_size, n, s * kLanes, kLanes, out + s * strip_size);
+        continue;
+      }
+      const auto* words = reinterpret_cast<const int32_t*>(wp + s * kLanes * k_size);
+      for (int64_t kp = 0; kp < k_size / 2; ++kp)
+        _mm512_storeu_si512(out + s * strip_size + kp * 2 * kLanes, _mm512_i32gather_epi32(rows, words + kp, 4));
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16Gemm, Bf16Gemm,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16StripMatmul, Bf16StripMatmul,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16StripPack, Bf16StripPack,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<bool>("transposed").Ret<ffi::Buffer<ffi::BF16>>());
