@@ -43,9 +43,8 @@ $(WEB_STAMP): $(STAMP) environments/web/requirements-data.txt
 	touch $@
 
 # The native CPU kernels (agentgym_jax/native_kernels.py): a C++ compiler (Debian's g++ when none is there), then
-# the kernel libraries built into the cache once (~3 s each; the AMX projections only on CPUs with AMX).
-$(NATIVE_STAMP): $(STAMP) agentgym_jax/native/decode_attention.cc agentgym_jax/native/cache_write.cc \
-		agentgym_jax/native/amx_matmul.cc agentgym_jax/native/amx_gemm.cc agentgym_jax/native/parallel.h
+# the kernel libraries built into the cache once (~3 s each; the AMX and AVX512-BF16 ones only on CPUs with them).
+$(NATIVE_STAMP): $(STAMP) $(wildcard agentgym_jax/native/*.cc agentgym_jax/native/*.h) agentgym_jax/native_build.py
 	command -v $${CXX:-g++} >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq g++; }
 	$(PY) -m agentgym_jax.native_kernels

@@ -247,6 +247,8 @@ class Attention(nnx.Module):
             allowed = allowed & segments.allowed()
         if s > 1 and native_kernels.amx_attention_applies(q, k, v):
             attend = native_kernels.amx_attention
+        elif s > 1 and native_kernels.bf16_attention_applies(q, k, v):
+            attend = native_kernels.bf16_attention
         elif s == 1:
             attend = attention.attend_one_query
         else:  # a teacher-forced row (no cache) attends to its own keys, causally

@@ -14,66 +14,39 @@
   packed once per call into 16-column strips (:func:`pack_strips`; AVX-512), where :func:`strip_matmul_applies`.
 - :func:`bf16_gemm` (``native/bf16_gemm.cc``): bf16 products of more than 32 rows (prefill, the training forward
   pass) with AVX512-BF16 dot products, on CPUs that have them and no AMX, where :func:`bf16_gemm_applies`.
+- :func:`bf16_attention` (``native/bf16_attention.cc``): a prompt's attention in the prefill program with
+  AVX512-BF16 dot products, on CPUs that have them and no AMX, where :func:`bf16_attention_applies`.
 - :func:`token_pick` (``native/token_pick.cc``): a decode step's greedy pick or unfiltered draw and the picked
   token's log-probability from fp32 logits (AVX-512), where :func:`token_pick_applies`.
 - :func:`amx_attention` (``native/amx_attention.cc``): bf16 attention of many queries (training rows, prompt
   prefill) on AMX tiles, forward and backward, where :func:`amx_attention_applies`.
 
-Each source is compiled on first use with the system's C++ compiler (``$CXX``, default ``g++``; ``make setup``
-installs it and builds the kernels) into ``<cache>/native`` (``$AGENTGYM_JAX_CACHE``), one file per source,
-compiler, jaxlib and CPU, and registered with XLA. On other backends, and under a mesh of several devices (the
-kernels do not split across devices), the model keeps its pure-JAX path.
-``AGENTGYM_JAX_NATIVE_KERNELS=0`` keeps the pure-JAX path on CPU too.
+Each source is compiled on first use, cached and registered with XLA (``agentgym_jax.native_build``). On other
+backends, and under a mesh of several devices (the kernels do not split across devices), the model keeps its
+pure-JAX path; ``AGENTGYM_JAX_NATIVE_KERNELS=0`` keeps it on CPU too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
-import dataclasses
-import fcntl
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax import attention, sharding
-from agentgym_jax.default_model import cache_root
-from agentgym_jax.errors import ConfigError
+from agentgym_jax import attention, native_build
+from agentgym_jax.native_build import (AMX_FLAGS, Kernel, amx_available, avx512_available, avx512_bf16_available,
+                                       build, enabled, register)
 
-ENV_VAR = "AGENTGYM_JAX_NATIVE_KERNELS"
-NATIVE_DIR = Path(__file__).with_name("native")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+ENV_VAR = native_build.ENV_VAR  # the switch's name, here too for the callers of this module
+
 AMX_MAX_ROWS = 32  # rows of x in two AMX tiles: amx_matmul takes decode-sized products only
 AMX_BLOCK = 32  # amx_matmul's K and N must be multiples of this
 
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """One kernel library: its source, extra compiler flags, exported handler symbol and XLA target name."""
-
-    name: str
-    symbol: str
-    target: str
-    flags: tuple[str, ...] = ()
-
-    @property
-    def source(self) -> Path:
-        return NATIVE_DIR / f"{self.name}.cc"
-
-
 DECODE_ATTENTION = Kernel("decode_attention", "AgentgymDecodeAttention", "agentgym_decode_attention")
 CACHE_WRITE = Kernel("cache_write", "AgentgymCacheWrite", "agentgym_cache_write")
-AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 AMX_MATMUL = Kernel("amx_matmul", "AgentgymAmxMatmul", "agentgym_amx_matmul", AMX_FLAGS)
 AMX_MATMUL_PACKED = Kernel("amx_matmul", "AgentgymAmxMatmulPacked", "agentgym_amx_matmul_packed", AMX_FLAGS)
 AMX_PACK = Kernel("amx_matmul", "AgentgymAmxPack", "agentgym_amx_pack", AMX_FLAGS)
@@ -90,111 +63,11 @@ STRIP_PACK = Kernel("strip_matmul", "AgentgymStripPack", "agentgym_strip_pack")
 STRIP_MATMUL_BF16 = Kernel("bf16_gemm", "AgentgymBf16StripMatmul", "agentgym_bf16_strip_matmul")
 STRIP_PACK_BF16 = Kernel("bf16_gemm", "AgentgymBf16StripPack", "agentgym_bf16_strip_pack")
 BF16_GEMM = Kernel("bf16_gemm", "AgentgymBf16Gemm", "agentgym_bf16_gemm")
+BF16_ATTENTION = Kernel("bf16_attention", "AgentgymBf16Attention", "agentgym_bf16_attention")
 TOKEN_PICK = Kernel("token_pick", "AgentgymTokenPick", "agentgym_token_pick")
 STRIP_LANES = 16  # strip_matmul's output count must be a multiple of this
 AMX_ATTENTION_HEAD_DIM = 64  # the only head dimension amx_attention's tiles are laid out for
 TARGET = DECODE_ATTENTION.target
-SHARED_HEADERS = tuple(NATIVE_DIR / name for name in ("parallel.h", "vector_math.h", "amx.h", "amx_blocks.h"))
-
-_registered: set[str] = set()
-
-
-def enabled() -> bool:
-    """Whether programs traced now use the native kernels: on CPU, unless a mesh of several devices is active
-    (the kernels do not split across devices) or ``AGENTGYM_JAX_NATIVE_KERNELS=0``."""
-    setting = os.environ.get(ENV_VAR, "1").strip()
-    if setting not in ("0", "1"):
-        raise ConfigError(f"{ENV_VAR}={setting!r}: use 1 (native CPU kernels, the default) or 0 (pure JAX)")
-    return setting == "1" and jax.default_backend() == "cpu" and sharding.active_mesh_size() == 1
-
-
-def _cpu_flags() -> str:
-    """The instruction-set flags line of ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _cpu_signature() -> str:
-    """What a ``-march=native`` build depends on: the machine and its instruction-set flags."""
-    return platform.machine() + _cpu_flags()
-
-
-def library_path(kernel: Kernel = DECODE_ATTENTION) -> Path:
-    """Where ``kernel``'s built library lives in the cache (it may not exist yet)."""
-    import jaxlib
-
-    key = hashlib.sha256()
-    for part in (kernel.source.read_bytes(), *(h.read_bytes() for h in SHARED_HEADERS),
-                 os.environ.get("CXX", "g++").encode(), " ".join(FLAGS + kernel.flags).encode(),
-                 jaxlib.__version__.encode(), _cpu_signature().encode()):
-        key.update(part)
-    return cache_root() / "native" / f"{kernel.name}-{key.hexdigest()[:16]}.so"
-
-
-def build(kernel: Kernel = DECODE_ATTENTION) -> Path:
-    """Compiles ``kernel``'s library into the cache unless it is there; returns its path. Several processes may
-    call this at once: one builds (under a file lock), into a temporary file moved into place."""
-    target = library_path(kernel)
-    if target.exists():
-        return target
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        raise ConfigError(
-            f"the native CPU kernels need a C++ compiler and {compiler!r} was not found: install one "
-            f"(`apt-get install g++`; `make setup` does) or point $CXX at it, or set {ENV_VAR}=0 to run the "
-            "pure-JAX paths instead")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            command = [compiler, *FLAGS, *kernel.flags, "-isystem", jax.ffi.include_dir(), str(kernel.source), "-o",
-                       str(built)]
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise ConfigError(
-                    f"building the native CPU kernels failed ({' '.join(command)}):\n{result.stderr[-2000:]}\n"
-                    f"Fix the compiler set-up, or set {ENV_VAR}=0 to run the pure-JAX paths instead")
-            os.replace(built, target)
-    return target
-
-
-@functools.cache
-def _library(kernel: Kernel) -> ctypes.CDLL:
-    return ctypes.cdll.LoadLibrary(str(build(kernel)))
-
-
-def _register(kernel: Kernel = DECODE_ATTENTION) -> None:
-    if kernel.target not in _registered:
-        handler = getattr(_library(kernel), kernel.symbol)
-        jax.ffi.register_ffi_target(kernel.target, jax.ffi.pycapsule(handler), platform="cpu")
-        _registered.add(kernel.target)
-
-
-@functools.cache
-def amx_available() -> bool:
-    """Whether this CPU has AMX bf16 tiles and the OS grants them to this process (builds the kernel if so)."""
-    flags = _cpu_flags().split()
-    if "amx_bf16" not in flags or "amx_tile" not in flags:
-        return False
-    return bool(_library(AMX_MATMUL).AgentgymAmxReady())
-
-
-@functools.cache
-def avx512_available() -> bool:
-    """Whether this CPU has AVX-512F (what :func:`strip_matmul` is written in)."""
-    return "avx512f" in _cpu_flags().split()
-
-
-@functools.cache
-def avx512_bf16_available() -> bool:
-    """Whether this CPU has AVX512-BF16 dot products (what :func:`bf16_gemm` is written in)."""
-    return "avx512_bf16" in _cpu_flags().split()
 
 
 def amx_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
@@ -217,7 +90,7 @@ def _rows_product(kernel: Kernel, x: jax.Array, outputs: int, *operands: jax.Arr
                   **attributes: object) -> jax.Array:
     """[..., outputs] (fp32 unless ``out_dtype``) from a product ``kernel`` run on ``x``'s rows as [M, K] and
     ``operands``: the calling convention of every projection kernel here."""
-    _register(kernel)
+    register(kernel)
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct((rows.shape[0], outputs), out_dtype))
     return call(rows, *operands, **attributes).reshape(*x.shape[:-1], outputs)
@@ -310,7 +183,7 @@ def pack_pair_for_amx(gate: jax.Array, up: jax.Array) -> jax.Array:
     """``gate`` and ``up`` [K, N] packed as :func:`pack_for_amx` packs [K, 2N], their 32-column panels in turn
     (gate 0, up 0, gate 1, ...): :func:`amx_swiglu`'s packed operand."""
     k, n = gate.shape
-    _register(AMX_PACK_PAIR)
+    register(AMX_PACK_PAIR)
     packed = jax.ShapeDtypeStruct((2 * n // 32, k // 32, 2, 16, 16, 2), gate.dtype)
     return jax.ffi.ffi_call(AMX_PACK_PAIR.target, packed)(gate, up)
 
@@ -331,7 +204,7 @@ def pack_for_amx(w: jax.Array) -> jax.Array:
     32 x 32 block of a 32-column panel as two 16-column halves in the tiles' pair layout (two consecutive k of one
     column per 32-bit lane), the panels one after another."""
     k, n = w.shape
-    _register(AMX_PACK)
+    register(AMX_PACK)
     packed = jax.ShapeDtypeStruct((n // 32, k // 32, 2, 16, 16, 2), w.dtype)
     return jax.ffi.ffi_call(AMX_PACK.target, packed)(w)
 
@@ -366,7 +239,7 @@ def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
     n, k = w.shape if transposed else w.shape[::-1]
     bf16 = w.dtype == jnp.bfloat16
     kernel = STRIP_PACK_BF16 if bf16 else STRIP_PACK
-    _register(kernel)
+    register(kernel)
     shape = (n // STRIP_LANES, k // 2, STRIP_LANES, 2) if bf16 else (n // STRIP_LANES, k, STRIP_LANES)
     return jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct(shape, w.dtype))(w, transposed=transposed)
 
@@ -394,7 +267,7 @@ def token_pick(logits: jax.Array, temperature: jax.Array, uniform: jax.Array,
     draw from ``softmax(logits / max(temperature, 1e-6))`` at the row's ``uniform`` [B] number in [0, 1); returns
     (tokens [B] int32, their log-probs under ``log_softmax(logits / logprob_temperature)``). Equals
     :func:`token_draws.draw_tokens` without filtering, up to fp32 rounding of the sums."""
-    _register(TOKEN_PICK)
+    register(TOKEN_PICK)
     batch = logits.shape[0]
     call = jax.ffi.ffi_call(TOKEN_PICK.target, (jax.ShapeDtypeStruct((batch,), jnp.int32),
                                                 jax.ShapeDtypeStruct((batch,), jnp.float32)))
@@ -426,7 +299,7 @@ def amx_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, 
 
 
 def _amx_attention_forward(q, k, v, allowed, scale):
-    _register(AMX_ATTENTION_FORWARD)
+    register(AMX_ATTENTION_FORWARD)
     b, s, kv, g, _ = q.shape
     call = jax.ffi.ffi_call(AMX_ATTENTION_FORWARD.target, (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
                                                            jax.ShapeDtypeStruct((b, kv, g, s), jnp.float32)))
@@ -440,7 +313,7 @@ def _amx_attention_fwd(q, k, v, allowed, scale):
 
 def _amx_attention_bwd(scale, residuals, d_out):
     q, k, v, allowed, out, lse = residuals
-    _register(AMX_ATTENTION_BACKWARD)
+    register(AMX_ATTENTION_BACKWARD)
     call = jax.ffi.ffi_call(AMX_ATTENTION_BACKWARD.target,
                             tuple(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q, k, v)))
     d_q, d_k, d_v = call(q, k, v, allowed.astype(jnp.bool_), out, lse, d_out.astype(jnp.bfloat16),
@@ -449,6 +322,31 @@ def _amx_attention_bwd(scale, residuals, d_out):
 
 
 amx_attention.defvjp(_amx_attention_fwd, _amx_attention_bwd)
+
+
+def bf16_attention_applies(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether :func:`bf16_attention` computes the attention of q [B, S, K, G, H] over k [B, K, H, T] and v
+    [B, K, T, H] in a program traced now: inside :func:`inference_only` (it has no gradient), bf16 operands, H a
+    multiple of 32, native kernels enabled (:func:`enabled`) on a CPU with AVX512-BF16 and no AMX."""
+    if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
+        return False
+    b, _, kv, _, h = q.shape
+    t = k.shape[-1]
+    return (_inference.get() and h % 32 == 0 and k.shape == (b, kv, h, t) and v.shape == (b, kv, t, h)
+            and all(x.dtype == jnp.bfloat16 for x in (q, k, v)) and enabled() and avx512_bf16_available()
+            and not amx_available())
+
+
+def bf16_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
+    """Softmax attention of bf16 q [B, S, K, G, H] over keys k [B, K, H, T] and values v [B, K, T, H] where
+    ``allowed`` [B, S, T] (bool), with AVX512-BF16 dot products, forward only (the conditions:
+    :func:`bf16_attention_applies`). Equals :func:`attention.attend` up to bf16 rounding (fp32 scores and softmax;
+    the values times the bf16 unnormalized exponentials, divided by their fp32 sum), except that a query with no
+    allowed key gets zeros."""
+    register(BF16_ATTENTION)
+    call = jax.ffi.ffi_call(BF16_ATTENTION.target, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16))
+    return call(q, k, v, jnp.broadcast_to(allowed, q.shape[:2] + k.shape[-1:]).astype(jnp.bool_),
+                scale=np.float32(scale))
 
 
 def _check_cache_entries(kernel: str, keys: jax.Array, values: jax.Array) -> None:
@@ -467,7 +365,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys:
     dtype (computed in fp32) and the updated keys and values (the same buffers, updated in place). Equals
     :func:`attention.write_slots` then :func:`attention.attend_one_query`."""
     _check_cache_entries("decode_attention", keys, values)
-    _register()
+    register(DECODE_ATTENTION)
     b, _, k, g, h = q.shape
     stored = lambda x: attention.to_storage(x[:, 0].astype(cache_dtype))  # noqa: E731
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, k, g, h), jnp.float32),
@@ -485,7 +383,7 @@ def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_val
     (none outside the cache) of the raw cache entries keys [B, K, H, T] and values [B, K, T, H] of ``cache_dtype``
     (fp32, or bf16 held as uint16), in place: :func:`attention.write_slots` at those slots."""
     _check_cache_entries("cache_write", keys, values)
-    _register(CACHE_WRITE)
+    register(CACHE_WRITE)
     stored = lambda x: attention.to_storage(x.astype(cache_dtype))  # noqa: E731
     call = jax.ffi.ffi_call(CACHE_WRITE.target, (jax.ShapeDtypeStruct(keys.shape, keys.dtype),
                                                  jax.ShapeDtypeStruct(values.shape, values.dtype)),
@@ -501,6 +399,7 @@ if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
         print(build(TOKEN_PICK))
     if avx512_bf16_available():
         print(build(BF16_GEMM))
+        print(build(BF16_ATTENTION))
     if amx_available():
         print(build(AMX_MATMUL))
         print(build(AMX_GEMM))

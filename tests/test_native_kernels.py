@@ -135,7 +135,7 @@ def test_unknown_setting_and_missing_compiler_are_clear_errors(tmp_path, monkeyp
     monkeypatch.setenv("AGENTGYM_JAX_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(ConfigError, match="AGENTGYM_JAX_NATIVE_KERNELS=0"):
-        native_kernels.build()
+        native_kernels.build(native_kernels.DECODE_ATTENTION)
     assert not (tmp_path / "native").exists() or not any((tmp_path / "native").glob("*.so"))
 
 

@@ -17,9 +17,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "parallel.h"
 #include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,17 +37,11 @@ constexpr int64_t kGroupBytes = 512 << 10;
 
 // Columns [col, col + width) of w [K, N] as pair rows [K/2][width][2] (K even, width a multiple of 16).
 void PackPanel(const uint16_t* w, int64_t k_size, int64_t n, int64_t col, int64_t width, uint16_t* out) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t kp = 0; kp < k_size / 2; ++kp) {
     const uint16_t* even = w + 2 * kp * n + col;
     uint16_t* row = out + kp * width * 2;
-    for (int64_t c = 0; c < width; c += kLanes) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + c));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + n + c));
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-      _mm512_storeu_si512(row + 2 * c, _mm512_permutexvar_epi16(interleave, both));
-    }
+    for (int64_t c = 0; c < width; c += kLanes)
+      _mm512_storeu_si512(row + 2 * c, agentgym::InterleavePairs(even + c, even + n + c));
   }
 }
 
@@ -70,13 +64,10 @@ void Block(const uint16_t* x, int64_t k_size, const uint16_t* w, int64_t strip_s
   for (int64_t kp = 0; kp < k_size / 2; ++kp) {
     __m512bh pairs[S];
 #pragma GCC unroll 3
-    for (int s = 0; s < S; ++s)
-      pairs[s] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + s * strip_stride + kp * row_stride));
+    for (int s = 0; s < S; ++s) pairs[s] = agentgym::LoadPairs(w + s * strip_stride + kp * row_stride);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * k_size + 2 * kp, sizeof(pair));
-      const __m512bh xr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      const __m512bh xr = agentgym::BroadcastPair(x + r * k_size + 2 * kp);
 #pragma GCC unroll 3
       for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], xr, pairs[s]);
     }
