@@ -267,8 +267,14 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_proj.plain_kernel(), self.up_proj.plain_kernel()
-        if gate is not None and up is not None and native_kernels.amx_swiglu_applies(x.astype(gate.dtype), gate, up):
-            gated = native_kernels.amx_swiglu(x.astype(gate.dtype), gate, up)  # sampling: one pass, no products out
+        fused = None
+        if gate is not None and up is not None:  # sampling: one pass, no products written out
+            if native_kernels.amx_swiglu_applies(x.astype(gate.dtype), gate, up):
+                fused = native_kernels.amx_swiglu
+            elif native_kernels.bf16_swiglu_applies(x.astype(gate.dtype), gate, up):
+                fused = native_kernels.bf16_swiglu
+        if fused is not None:
+            gated = fused(x.astype(gate.dtype), gate, up)
         else:
             gated = swiglu(self.gate_proj(x), self.up_proj(x))
         return self.down_proj(sharding.constrain(gated, "mlp"))

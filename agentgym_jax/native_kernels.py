@@ -14,6 +14,8 @@
   packed once per call into 16-column strips (:func:`pack_strips`; AVX-512), where :func:`strip_matmul_applies`.
 - :func:`bf16_gemm` (``native/bf16_gemm.cc``): bf16 products of more than 32 rows (prefill, the training forward
   pass) with AVX512-BF16 dot products, on CPUs that have them and no AMX, where :func:`bf16_gemm_applies`.
+- :func:`bf16_swiglu` (``native/bf16_gemm.cc``): the MLP's gate and up products and SwiGLU in one pass while
+  sampling, on the same CPUs, where :func:`bf16_swiglu_applies`.
 - :func:`bf16_attention` (``native/bf16_attention.cc``): a prompt's attention in the prefill program with
   AVX512-BF16 dot products, on CPUs that have them and no AMX, where :func:`bf16_attention_applies`.
 - :func:`token_pick` (``native/token_pick.cc``): a decode step's greedy pick or unfiltered draw and the picked
@@ -63,6 +65,8 @@ STRIP_PACK = Kernel("strip_matmul", "AgentgymStripPack", "agentgym_strip_pack")
 STRIP_MATMUL_BF16 = Kernel("bf16_gemm", "AgentgymBf16StripMatmul", "agentgym_bf16_strip_matmul")
 STRIP_PACK_BF16 = Kernel("bf16_gemm", "AgentgymBf16StripPack", "agentgym_bf16_strip_pack")
 BF16_GEMM = Kernel("bf16_gemm", "AgentgymBf16Gemm", "agentgym_bf16_gemm")
+BF16_SWIGLU = Kernel("bf16_gemm", "AgentgymBf16SwiGLU", "agentgym_bf16_swiglu")
+BF16_STRIP_SWIGLU = Kernel("bf16_gemm", "AgentgymBf16StripSwiGLU", "agentgym_bf16_strip_swiglu")
 BF16_ATTENTION = Kernel("bf16_attention", "AgentgymBf16Attention", "agentgym_bf16_attention")
 TOKEN_PICK = Kernel("token_pick", "AgentgymTokenPick", "agentgym_token_pick")
 STRIP_LANES = 16  # strip_matmul's output count must be a multiple of this
@@ -177,6 +181,26 @@ def amx_swiglu_applies(x: jax.Array, gate: jax.Array, up: jax.Array) -> bool:
     return ((_inference.get() or packing_projections()) and x.dtype == gate.dtype == up.dtype == jnp.bfloat16
             and gate.ndim == 2 and gate.shape == up.shape and x.shape[-1] == gate.shape[0]
             and gate.shape[0] % AMX_BLOCK == 0 and gate.shape[1] % AMX_BLOCK == 0 and enabled() and amx_available())
+
+
+def bf16_swiglu_applies(x: jax.Array, gate: jax.Array, up: jax.Array) -> bool:
+    """Whether ``silu(x @ gate) * up`` runs :func:`bf16_swiglu` in a program traced now: where
+    :func:`amx_swiglu_applies` would but on a CPU with AVX512-BF16 and no AMX; K even, N a multiple of 16."""
+    return ((_inference.get() or packing_projections()) and x.dtype == gate.dtype == up.dtype == jnp.bfloat16
+            and gate.ndim == 2 and gate.shape == up.shape and x.shape[-1] == gate.shape[0] and gate.shape[0] % 2 == 0
+            and gate.shape[1] % STRIP_LANES == 0 and enabled() and avx512_bf16_available() and not amx_available())
+
+
+def bf16_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """bf16 ``silu(x @ gate) * (x @ up)`` with AVX512-BF16 dot products, neither product written out (the
+    conditions: :func:`bf16_swiglu_applies`): the numbers of the unfused bf16 path (each product rounded to bf16,
+    silu and the product in fp32) but for rare one-ulp roundings. Inside :func:`packed_projections` a product of
+    at most 32 rows reads both weights packed once (:func:`pack_strips`)."""
+    rows = int(np.prod(x.shape[:-1]))
+    if rows <= AMX_MAX_ROWS and packing_projections():
+        return _rows_product(BF16_STRIP_SWIGLU, x, gate.shape[1], pack_strips(gate), pack_strips(up),
+                             out_dtype=jnp.bfloat16)
+    return _rows_product(BF16_SWIGLU, x, gate.shape[1], gate, up, out_dtype=jnp.bfloat16)
 
 
 def pack_pair_for_amx(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "bf16_pairs.h"
@@ -93,38 +94,72 @@ void Rows(int64_t rows, const uint16_t* x, int64_t k_size, const uint16_t* w, in
   }
 }
 
-// y[:, 16 first : 16 (first + strips)] for rows [r, r + kRows) of x against `strips` (1 to 3) strips at w.
+// rows (at most kRows) of x (row stride k_size) against `strips` (1 to 3) strips at w, into out (row stride n).
 template <typename Out>
-void Strips(int64_t strips, const uint16_t* x, int64_t m, int64_t r, int64_t k_size, const uint16_t* w,
-            int64_t strip_stride, int64_t row_stride, Out* y, int64_t n, int64_t first) {
-  const int64_t rows = std::min(kRows, m - r);
-  const uint16_t* xr = x + r * k_size;
-  Out* out = y + r * n + first * kLanes;
+void Strips(int64_t strips, int64_t rows, const uint16_t* x, int64_t k_size, const uint16_t* w, int64_t strip_stride,
+            int64_t row_stride, Out* out, int64_t n) {
   if (strips == 3)
-    Rows<3>(rows, xr, k_size, w, strip_stride, row_stride, out, n);
+    Rows<3>(rows, x, k_size, w, strip_stride, row_stride, out, n);
   else if (strips == 2)
-    Rows<2>(rows, xr, k_size, w, strip_stride, row_stride, out, n);
+    Rows<2>(rows, x, k_size, w, strip_stride, row_stride, out, n);
   else
-    Rows<1>(rows, xr, k_size, w, strip_stride, row_stride, out, n);
+    Rows<1>(rows, x, k_size, w, strip_stride, row_stride, out, n);
 }
 
-// y[:, 48 p0 : 48 p1] for all of x's rows (the last panel may hold fewer than 3 strips).
-template <typename Out>
+// silu(gate) * up for rows x width fp32 products in L1 buffers (row stride kPanelWidth), as bf16 into y.
+void StoreSwiGLU(const float* gate, const float* up, int64_t rows, int64_t width, uint16_t* y, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < width; c += kLanes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + c),
+                          agentgym::SwiGLU16(_mm512_loadu_ps(gate + r * kPanelWidth + c),
+                                             _mm512_loadu_ps(up + r * kPanelWidth + c)));
+}
+
+// One panel (`width` columns, strips at w with the given strides) for rows [r, r + kRows) of x: into y[:, col:], or
+// with an up panel (kSwiGLU), silu(x @ panel) * (x @ up panel) into bf16 y, neither product leaving L1.
+template <typename Out, bool kSwiGLU>
+void Panel(const uint16_t* x, int64_t m, int64_t r, int64_t k_size, const uint16_t* w, const uint16_t* up,
+           int64_t strip_stride, int64_t row_stride, int64_t width, Out* y, int64_t n, int64_t col) {
+  const int64_t rows = std::min(kRows, m - r);
+  const uint16_t* xr = x + r * k_size;
+  if constexpr (kSwiGLU) {
+    alignas(64) float gate_block[kRows * kPanelWidth], up_block[kRows * kPanelWidth];
+    Strips(width / kLanes, rows, xr, k_size, w, strip_stride, row_stride, gate_block, kPanelWidth);
+    Strips(width / kLanes, rows, xr, k_size, up, strip_stride, row_stride, up_block, kPanelWidth);
+    StoreSwiGLU(gate_block, up_block, rows, width, y + r * n + col, n);
+  } else {
+    Strips(width / kLanes, rows, xr, k_size, w, strip_stride, row_stride, y + r * n + col, n);
+  }
+}
+
+// y[:, 48 p0 : 48 p1] for all of x's rows (the last panel may hold fewer than 3 strips); kSwiGLU: up_w is the up
+// projection's [K, N] and y gets silu(x @ w) * (x @ up_w).
+template <typename Out, bool kSwiGLU = false>
 void Panels(const uint16_t* x, int64_t m, int64_t k_size, const uint16_t* w, int64_t n, int64_t p0, int64_t p1,
-            Out* y) {
+            Out* y, const uint16_t* up_w = nullptr) {
+  constexpr int64_t kWeights = kSwiGLU ? 2 : 1;
   const int64_t panel_size = k_size * kPanelWidth;  // bf16 numbers in a whole panel
-  const int64_t group = std::max<int64_t>(1, kGroupBytes / (panel_size * 2));
-  std::vector<uint16_t> packed(std::min(group, p1 - p0) * panel_size);
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (panel_size * 2 * kWeights));
+  std::vector<uint16_t> packed(std::min(group, p1 - p0) * panel_size * kWeights);
+  const auto width = [&](int64_t p) { return std::min(kPanelWidth, n - p * kPanelWidth); };
   for (int64_t g0 = p0; g0 < p1; g0 += group) {
     const int64_t g1 = std::min(p1, g0 + group);
-    const auto width = [&](int64_t p) { return std::min(kPanelWidth, n - p * kPanelWidth); };
-    for (int64_t p = g0; p < g1; ++p)
-      PackPanel(w, k_size, n, p * kPanelWidth, width(p), packed.data() + (p - g0) * panel_size);
+    const auto panel = [&](int64_t p, int64_t which) {  // which: 0 w (the gate), 1 the up projection
+      return packed.data() + ((p - g0) * kWeights + which) * panel_size;
+    };
+    for (int64_t p = g0; p < g1; ++p) {
+      PackPanel(w, k_size, n, p * kPanelWidth, width(p), panel(p, 0));
+      if constexpr (kSwiGLU) PackPanel(up_w, k_size, n, p * kPanelWidth, width(p), panel(p, 1));
+    }
     for (int64_t r = 0; r < m; r += kRows)
       for (int64_t p = g0; p < g1; ++p)
-        Strips(width(p) / kLanes, x, m, r, k_size, packed.data() + (p - g0) * panel_size, 2 * kLanes, 2 * width(p),
-               y, n, p * kStripsPerPanel);
+        Panel<Out, kSwiGLU>(x, m, r, k_size, panel(p, 0), kSwiGLU ? panel(p, 1) : nullptr, 2 * kLanes,
+                            2 * width(p), width(p), y, n, p * kPanelWidth);
   }
+}
+
+const uint16_t* Bits(const ffi::Buffer<ffi::BF16>& buffer) {  // a bf16 buffer's numbers as their bits
+  return reinterpret_cast<const uint16_t*>(buffer.untyped_data());
 }
 
 // y [M, N] fp32, or bf16 (rounded from the fp32 sums as XLA's convert rounds: half the bytes written).
@@ -152,27 +187,71 @@ ffi::Error Bf16Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// A decode step's bf16 projections, y [M, N] fp32 = x [M, K] @ w for M <= 32, on w packed once per generate call by
-// Bf16StripPack into strips of pair rows [N/16, K/2, 16, 2]: each thread streams three strips at a time (fp32
-// strip_matmul's scheme, with half the bytes and half the instructions: no widening, two k per dot product).
-ffi::Error Bf16StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,
-                           ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), pd = packed.dimensions(), yd = y->dimensions();
+// The shapes of a decode step's product on packed strips: x [M, K] (1 <= M <= 32), packed [N/16, K/2, 16, 2]
+// (each of them, for SwiGLU's two), y [M, N]; an empty string where they agree.
+const char* StripShapesError(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd,
+                             ffi::Span<const int64_t> yd) {
   if (xd.size() != 2 || pd.size() != 4 || pd[2] != kLanes || pd[3] != 2 || 2 * pd[1] != xd[1] || yd.size() != 2
       || yd[0] != xd[0] || yd[1] != pd[0] * kLanes)
-    return ffi::Error::InvalidArgument("bf16_strip_matmul: x [M, K], packed [N/16, K/2, 16, 2], y [M, N] expected");
-  const int64_t m = xd[0], k_size = xd[1], n = yd[1], strips = pd[0];
-  if (m < 1 || m > 32) return ffi::Error::InvalidArgument("bf16_strip_matmul: needs 1 <= M <= 32");
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.untyped_data());
-  float* yp = y->typed_data();
-  const int64_t strip_size = k_size * kLanes;  // bf16 numbers in a strip
+    return "x [M, K], packed [N/16, K/2, 16, 2] and y [M, N] expected";
+  if (xd[0] < 1 || xd[0] > 32) return "needs 1 <= M <= 32";
+  return "";
+}
+
+// y for x's rows against the strips packed at w (and, kSwiGLU, silu of that times x against those at up): each thread
+// takes a range of three-strip panels; rows past the first 8 read the panel's strips again, from L2.
+template <typename Out, bool kSwiGLU>
+void StripPanels(ffi::ThreadPool& pool, const uint16_t* x, int64_t m, int64_t k_size, const uint16_t* w,
+                 const uint16_t* up, int64_t strips, Out* y) {
+  const int64_t strip_size = k_size * kLanes, n = strips * kLanes;  // bf16 numbers in a strip; columns
   agentgym::Parallel(pool, (strips + kStripsPerPanel - 1) / kStripsPerPanel, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kStripsPerPanel, count = std::min(kStripsPerPanel, strips - first);
-      for (int64_t r = 0; r < m; r += kRows)  // rows past the first 8 read the strips again, from L2
-        Strips(count, xp, m, r, k_size, wp + first * strip_size, strip_size, 2 * kLanes, yp, n, first);
+      for (int64_t r = 0; r < m; r += kRows)
+        Panel<Out, kSwiGLU>(x, m, r, k_size, w + first * strip_size, kSwiGLU ? up + first * strip_size : nullptr,
+                            strip_size, 2 * kLanes, count * kLanes, y, n, first * kLanes);
     }
+  });
+}
+
+// A decode step's bf16 projections, y [M, N] fp32 = x [M, K] @ w for M <= 32, on w packed once per generate call by
+// Bf16StripPack into strips of pair rows [N/16, K/2, 16, 2] (fp32 strip_matmul's scheme, with half the bytes and
+// half the instructions: no widening, two k per dot product).
+ffi::Error Bf16StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const std::string error = StripShapesError(x.dimensions(), packed.dimensions(), y->dimensions());
+  if (!error.empty()) return ffi::Error::InvalidArgument("bf16_strip_matmul: " + error);
+  StripPanels<float, false>(pool, Bits(x), x.dimensions()[0], x.dimensions()[1], Bits(packed), nullptr,
+                            packed.dimensions()[0], y->typed_data());
+  return ffi::Error::Success();
+}
+
+// The MLP's silu(x @ gate) * (x @ up) in one pass for a decode step, bf16 out, on both packed by Bf16StripPack.
+ffi::Error Bf16StripSwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> gate,
+                           ffi::Buffer<ffi::BF16> up, ffi::ResultBuffer<ffi::BF16> y) {
+  std::string error = StripShapesError(x.dimensions(), gate.dimensions(), y->dimensions());
+  if (error.empty() && !std::equal(gate.dimensions().begin(), gate.dimensions().end(), up.dimensions().begin(),
+                                   up.dimensions().end()))
+    error = "gate and up packed alike expected";
+  if (!error.empty()) return ffi::Error::InvalidArgument("bf16_strip_swiglu: " + error);
+  StripPanels<uint16_t, true>(pool, Bits(x), x.dimensions()[0], x.dimensions()[1], Bits(gate), Bits(up),
+                              gate.dimensions()[0], reinterpret_cast<uint16_t*>(y->untyped_data()));
+  return ffi::Error::Success();
+}
+
+// The MLP's silu(x @ gate) * (x @ up) in one pass for many rows (a prompt's prefill), bf16 out: x [M, K], gate and
+// up [K, N], their panels packed per call as Bf16Gemm packs w's.
+ffi::Error Bf16SwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> gate,
+                      ffi::Buffer<ffi::BF16> up, ffi::ResultBuffer<ffi::BF16> y) {
+  const auto xd = x.dimensions(), wd = gate.dimensions(), ud = up.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || ud.size() != 2 || xd[1] != wd[0] || ud[0] != wd[0] || ud[1] != wd[1]
+      || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[1] || wd[0] % 2 || wd[1] % kLanes)
+    return ffi::Error::InvalidArgument(
+        "bf16_swiglu: x [M, K], gate and up [K, N], y [M, N] with K even and N a multiple of 16 expected");
+  const int64_t m = xd[0], k_size = xd[1], n = wd[1];
+  auto* yp = reinterpret_cast<uint16_t*>(y->untyped_data());
+  agentgym::Parallel(pool, (n + kPanelWidth - 1) / kPanelWidth, [&](int64_t begin, int64_t end) {
+    Panels<uint16_t, true>(Bits(x), m, k_size, Bits(gate), n, begin, end, yp, Bits(up));
   });
   return ffi::Error::Success();
 }
@@ -221,3 +300,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16StripMatmul, Bf16StripMatmul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16StripPack, Bf16StripPack,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Attr<bool>("transposed").Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16StripSwiGLU, Bf16StripSwiGLU,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16SwiGLU, Bf16SwiGLU,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
