@@ -184,15 +184,18 @@ def _without_native_kernels() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _without_amx() -> Iterator[None]:
-    """Programs traced inside take XLA's dots for the projections: no AMX (bf16) and no packed strips (fp32); the
-    decode attention and token-pick kernels stay."""
-    available, strips = native_kernels.amx_available, native_kernels.strip_matmul_applies
-    native_kernels.amx_available = lambda: False
-    native_kernels.strip_matmul_applies = lambda *args: False
+    """Programs traced inside take XLA's dots for the projections: no AMX and no AVX512-BF16 products (bf16), no
+    packed strips (fp32, and bf16 without AMX); the attention, cache-write and token-pick kernels stay."""
+    names = ("amx_matmul_applies", "amx_gemm_applies", "amx_swiglu_applies", "strip_matmul_applies",
+             "bf16_gemm_applies", "bf16_swiglu_applies")
+    saved = {name: getattr(native_kernels, name) for name in names}
+    for name in names:
+        setattr(native_kernels, name, lambda *args: False)
     try:
         yield
     finally:
-        native_kernels.amx_available, native_kernels.strip_matmul_applies = available, strips
+        for name, value in saved.items():
+            setattr(native_kernels, name, value)
 
 
 def _fresh_seconds(model: Any, config: SamplerConfig, prompts: list[list[int]]) -> tuple[float, float]:

@@ -76,7 +76,7 @@ def _assert_same_run(got: Path, expected: Path) -> None:
     for row, ref in zip(rows, reference):
         keys = [k for k in ref if not any(part in k for part in CLOCK_DEPENDENT)]
         assert sorted(keys) == sorted(k for k in row if not any(part in k for part in CLOCK_DEPENDENT))
-        # Step 1 starts from the same parameters; later steps start from parameters that agree to 5e-5 (see
+        # Step 1 starts from the same parameters; later steps start from parameters that agree to 1.5e-4 (see
         # below), and a metric such as the largest ratio inherits that: 3.8e-5 relative on another machine.
         rel = 1e-5 if row["step"] == 1 else 2e-4
         for key in keys:
@@ -89,8 +89,10 @@ def _assert_same_params(got: Path, expected: Path) -> None:
     assert sorted(mine) == sorted(theirs)
     for name, value in theirs.items():
         # Reductions run in another order on 2 x 4 devices than on 1 x 8, and Adam amplifies that where a
-        # gradient is near zero: 2.0e-5 at most measured (the parameters move by more than 1e-3, checked below).
-        np.testing.assert_allclose(mine[name], value, atol=5e-5, rtol=0, err_msg=name)
+        # gradient is near zero: at most 2.0e-5 measured on an Intel Xeon, 6.0e-5 (one element of 2,048) on an AMD
+        # EPYC, whose CPU kernels sum in yet another order; a wrong shard moves parameters by ~1e-2 (the learning
+        # rate is 3e-2), and they move by more than 1e-3 in all (checked below).
+        np.testing.assert_allclose(mine[name], value, atol=1.5e-4, rtol=0, err_msg=name)
 
 
 @pytest.fixture(scope="module")
