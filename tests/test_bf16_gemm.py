@@ -7,12 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax import nnx
-
-from agentgym_jax import hf, native_kernels
+from agentgym_jax import native_kernels
 from agentgym_jax.mixed_matmul import mixed_dot
-from tests.test_native_kernels import _use_native_kernels, assert_same_gradients_with_and_without_kernels
-from tests.test_sampling import _pair
+from tests.test_native_kernels import (_use_native_kernels, assert_a_bf16_prompt_runs_its_projections_on,
+                                      assert_same_gradients_with_and_without_kernels)
 
 pytestmark = pytest.mark.skipif(not native_kernels.avx512_bf16_available() or native_kernels.amx_available(),
                                 reason="this CPU has no AVX512-BF16, or has AMX (amx_gemm takes these products)")
@@ -79,17 +77,5 @@ def test_mixed_dot_takes_the_kernel_for_bf16_products_of_many_rows(monkeypatch):
 
 
 def test_a_bf16_prompt_runs_its_projections_on_the_kernel_with_the_pure_jax_logits(tmp_path_factory, monkeypatch):
-    _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
-    graphdef, state = nnx.split(hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16"))
-    forward = lambda state, tokens: nnx.merge(graphdef, state)(tokens)  # noqa: E731
-    tokens = jnp.asarray(np.random.RandomState(1).randint(3, 250, (2, 40)))
-    applies, logits = native_kernels.bf16_gemm_applies, {}
-    _use_native_kernels(monkeypatch, "1")
-    for on in (True, False):  # only these products change: every other kernel runs in both
-        monkeypatch.setattr(native_kernels, "bf16_gemm_applies", lambda *a, on=on: on and applies(*a))
-        jax.clear_caches()
-        # 2 layers x (q, k, v, o, gate, up, down) on 80 rows; the untied head too
-        assert _gemm_calls(forward, state, tokens) == (15 if on else 0)
-        logits[on] = np.asarray(jax.jit(forward)(state, tokens), np.float32)
-    assert np.abs(logits[False]).max() > 0.1
-    np.testing.assert_allclose(logits[True], logits[False], atol=1e-2 * np.abs(logits[False]).max())
+    target = native_kernels.BF16_GEMM.target
+    assert_a_bf16_prompt_runs_its_projections_on("bf16_gemm_applies", target, tmp_path_factory, monkeypatch)

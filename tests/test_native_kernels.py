@@ -193,6 +193,26 @@ def assert_same_gradients_with_and_without_kernels(monkeypatch, x_shape: tuple[i
         np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(reference, np.float32), rtol=2e-2)
 
 
+def assert_a_bf16_prompt_runs_its_projections_on(applies_name: str, target: str, tmp_path_factory,
+                                                  monkeypatch) -> None:
+    """A bf16 prompt of 80 rows takes the many-rows product kernel whose gate is ``native_kernels.<applies_name>``
+    (XLA target ``target``) for all 15 projections (2 layers x q, k, v, o, gate, up, down, and the untied head),
+    with the pure-JAX logits; with that gate off, none (every other kernel runs in both)."""
+    _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
+    graphdef, state = nnx.split(hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16"))
+    forward = lambda state, tokens: nnx.merge(graphdef, state)(tokens)  # noqa: E731
+    tokens = jnp.asarray(np.random.RandomState(1).randint(3, 250, (2, 40)))
+    applies, logits = getattr(native_kernels, applies_name), {}
+    _use_native_kernels(monkeypatch, "1")
+    for on in (True, False):
+        monkeypatch.setattr(native_kernels, applies_name, lambda *a, on=on: on and applies(*a))
+        jax.clear_caches()
+        assert jax.jit(forward).lower(state, tokens).as_text().count(f"@{target}(") == (15 if on else 0)
+        logits[on] = np.asarray(jax.jit(forward)(state, tokens), np.float32)
+    assert np.abs(logits[False]).max() > 0.1
+    np.testing.assert_allclose(logits[True], logits[False], atol=1e-2 * np.abs(logits[False]).max())
+
+
 @needs_amx
 def test_a_bf16_model_runs_its_projections_on_the_kernel_with_the_pure_jax_logits(tmp_path_factory, monkeypatch):
     _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)

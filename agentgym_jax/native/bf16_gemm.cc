@@ -174,8 +174,8 @@ ffi::Error Bf16Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   const int64_t m = xd[0], k_size = xd[1], n = wd[1];
   if (k_size % 2 || n % kLanes)
     return ffi::Error::InvalidArgument("bf16_gemm: K must be even and N a multiple of 16");
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  const uint16_t* xp = Bits(x);
+  const uint16_t* wp = Bits(w);
   void* yp = y->untyped_data();
   const int64_t panels = (n + kPanelWidth - 1) / kPanelWidth;
   agentgym::Parallel(pool, panels, [&](int64_t begin, int64_t end) {
@@ -268,7 +268,7 @@ ffi::Error Bf16StripPack(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, bool tr
     return ffi::Error::InvalidArgument(
         "bf16_strip_pack: w [K, N] (transposed: [N, K]) with K even and N a multiple of 16, and packed "
         "[N/16, K/2, 16, 2] expected");
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  const uint16_t* wp = Bits(w);
   auto* out = reinterpret_cast<uint16_t*>(packed->untyped_data());
   const int64_t strip_size = k_size * kLanes;
   agentgym::Parallel(pool, n / kLanes, [&](int64_t begin, int64_t end) {

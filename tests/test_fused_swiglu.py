@@ -1,5 +1,9 @@
-"""The MLP's gate and up products and SwiGLU in one AMX pass (``amx_swiglu`` in ``native/amx_gemm.cc`` and, packed,
-``native/amx_matmul.cc``): the unfused bf16 path's numbers, taken only in programs that sample."""
+"""The MLP's gate and up products and SwiGLU in one pass: on AMX tiles (``amx_swiglu`` in ``native/amx_gemm.cc``
+and, packed, ``native/amx_matmul.cc``) or, on CPUs with AVX512-BF16 and no AMX, with its dot products
+(``bf16_swiglu`` in ``native/bf16_gemm.cc``): the unfused bf16 path's numbers, taken only in programs that
+sample."""
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +17,32 @@ from agentgym_jax.model import swiglu
 from tests.test_native_kernels import _use_native_kernels
 from tests.test_sampling import _pair
 
-pytestmark = pytest.mark.skipif(not native_kernels.amx_available(), reason="this CPU has no AMX bf16 tiles")
+
+@dataclass(frozen=True)
+class Fused:
+    """One fused kernel family: its names in native_kernels and the XLA targets of its unpacked and packed calls."""
+
+    name: str
+    unpacked: str
+    packed: str
+
+    def applies(self, *args) -> bool:
+        return getattr(native_kernels, f"{self.name}_applies")(*args)
+
+    def __call__(self, *args) -> jax.Array:
+        return getattr(native_kernels, self.name)(*args)
+
+
+FAMILIES = [
+    pytest.param(Fused("amx_swiglu", native_kernels.AMX_SWIGLU.target, native_kernels.AMX_SWIGLU_PACKED.target),
+                 marks=pytest.mark.skipif(not native_kernels.amx_available(), reason="this CPU has no AMX bf16 tiles"),
+                 id="amx"),
+    pytest.param(Fused("bf16_swiglu", native_kernels.BF16_SWIGLU.target, native_kernels.BF16_STRIP_SWIGLU.target),
+                 marks=pytest.mark.skipif(
+                     not native_kernels.avx512_bf16_available() or native_kernels.amx_available(),
+                     reason="this CPU has no AVX512-BF16, or has AMX (amx_swiglu fuses there)"),
+                 id="avx512_bf16"),
+]
 
 
 def _unfused(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -22,8 +51,10 @@ def _unfused(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
     return swiglu(product(gate), product(up))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+# 160 outputs (AVX512-BF16: three panels of 48 and one of 16); 17 rows (its passes of 8, 8 and 1)
 @pytest.mark.parametrize("rows,packed", [(1, True), (17, True), (32, True), (33, False), (100, False), (5, False)])
-def test_the_fused_pass_gives_the_unfused_numbers(rows, packed, monkeypatch):
+def test_the_fused_pass_gives_the_unfused_numbers(family, rows, packed, monkeypatch):
     _use_native_kernels(monkeypatch, "1")
     rng = np.random.RandomState(rows)
     x = jnp.asarray(rng.randn(rows, 96), jnp.bfloat16)
@@ -31,11 +62,11 @@ def test_the_fused_pass_gives_the_unfused_numbers(rows, packed, monkeypatch):
 
     def fused(x, gate, up):
         with native_kernels.packed_projections() if packed else native_kernels.inference_only():
-            assert native_kernels.amx_swiglu_applies(x, gate, up)
-            return native_kernels.amx_swiglu(x, gate, up)
+            assert family.applies(x, gate, up)
+            return family(x, gate, up)
 
-    kernel = native_kernels.AMX_SWIGLU_PACKED if packed else native_kernels.AMX_SWIGLU
-    assert f"@{kernel.target}(" in jax.jit(fused).lower(x, gate, up).as_text()
+    target = family.packed if packed else family.unpacked
+    assert f"@{target}(" in jax.jit(fused).lower(x, gate, up).as_text()
     ours = np.asarray(jax.jit(fused)(x, gate, up), np.float32)
     expected = np.asarray(jax.jit(_unfused)(x, gate, up), np.float32)
     assert ours.shape == (rows, 160) and np.abs(expected).max() > 1.0
@@ -44,7 +75,8 @@ def test_the_fused_pass_gives_the_unfused_numbers(rows, packed, monkeypatch):
     np.testing.assert_allclose(ours, expected, rtol=2 ** -7, atol=1e-6)
 
 
-def test_the_mlp_fuses_only_in_programs_that_sample(tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_mlp_fuses_only_in_programs_that_sample(family, tmp_path_factory, monkeypatch):
     _use_native_kernels(monkeypatch, "1")
     _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, 250, (2, 40)))
@@ -56,7 +88,7 @@ def test_the_mlp_fuses_only_in_programs_that_sample(tmp_path_factory, monkeypatc
             with context():
                 return nnx.merge(graphdef, state)(tokens)
 
-        return jax.jit(forward).lower(state, tokens).as_text().count(f"@{native_kernels.AMX_SWIGLU.target}(")
+        return jax.jit(forward).lower(state, tokens).as_text().count(f"@{family.unpacked}(")
 
     model = hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16")
     assert fused_calls(model, native_kernels.inference_only) == 2  # 2 layers
