@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -10,7 +11,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -36,6 +37,23 @@ def time_repeats(fn: Callable[[], Any], repeats: int) -> list[float]:
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     return [time_once(fn)[0] for _ in range(repeats)]
+
+
+@contextlib.contextmanager
+def without_native_kernels() -> Iterator[None]:
+    """Programs traced inside run the pure-JAX paths (``AGENTGYM_JAX_NATIVE_KERNELS=0``); the previous setting is
+    restored after."""
+    from agentgym_jax import native_kernels
+
+    previous = os.environ.get(native_kernels.ENV_VAR)
+    os.environ[native_kernels.ENV_VAR] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(native_kernels.ENV_VAR)
+        else:
+            os.environ[native_kernels.ENV_VAR] = previous
 
 
 def peak_rss_mib() -> float:

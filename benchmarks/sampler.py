@@ -157,7 +157,7 @@ def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: f
         row["decode_vs_bound"] = step_ms / row["bound_step_ms"]
         # the same calls with XLA's dots in place of the AMX projections, and with every native kernel off
         # (each with its own prefill-only time: the AMX kernel also takes a prompt's last chunk of 16 positions)
-        for name, switch in (("xla_dots", _without_amx), ("pure_jax", _without_native_kernels)):
+        for name, switch in (("xla_dots", _without_amx), ("pure_jax", common.without_native_kernels)):
             with switch():
                 seconds, prefill_seconds = _fresh_seconds(ours[dtype], sampler.config, prompts)
             row.update({f"ours_seconds_{name}": seconds, f"ours_prefill_seconds_{name}": prefill_seconds,
@@ -166,20 +166,6 @@ def single_turn(ours: dict, theirs: dict, batch: int, repeats: int, bandwidth: f
               flush=True)
         rows.append(row)
     return rows
-
-
-@contextlib.contextmanager
-def _without_native_kernels() -> Iterator[None]:
-    """``AGENTGYM_JAX_NATIVE_KERNELS=0`` inside, the previous setting restored after."""
-    previous = os.environ.get(native_kernels.ENV_VAR)
-    os.environ[native_kernels.ENV_VAR] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(native_kernels.ENV_VAR)
-        else:
-            os.environ[native_kernels.ENV_VAR] = previous
 
 
 @contextlib.contextmanager

@@ -238,8 +238,11 @@ void WriteAndAttendHeads(const float* q, void* keys, void* values, const void* n
     for (int64_t h = 0; h < head_dim; ++h) k[(item * head_dim + h) * slots + slot] = new_k[item * head_dim + h];
     std::memcpy(v + (item * slots + slot) * head_dim, new_v + item * head_dim, head_dim * sizeof(Raw));
   };
-  for (int64_t i = begin; i < end; ++i) write(i);  // before any read: the next head's lines are read ahead
   for (int64_t i = begin; i < end; ++i) {  // i = row * kv_heads + head
+    // Each head's write goes just before its attention, into lines the previous head's pass has already asked for
+    // (a write of one key touches one line per row of H: 64 lines). Writing every head of the chunk first made
+    // each of those lines a separate miss (30 layers at batch 32: 11.9-13.5 -> 10.7-12.6 ms a step).
+    write(i);
     const bool last = i + 1 == end;  // the next head's cache is read ahead while this one computes
     AttendHeadAnyWidth(q + i * groups * head_dim, k + i * head_dim * slots, v + i * slots * head_dim, groups,
                        head_dim, slots, length(i), scale, scores.data(), out + i * groups * head_dim,
