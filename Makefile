@@ -63,6 +63,7 @@ demo: setup
 
 bench: setup
 	$(PY) -m benchmarks.sampler
+	$(PY) -m benchmarks.decode_attention
 	$(PY) -m benchmarks.token_draws
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.envs
