@@ -269,12 +269,13 @@ class MLP(nnx.Module):
         gate, up = self.gate_proj.plain_kernel(), self.up_proj.plain_kernel()
         fused = None
         if gate is not None and up is not None:  # sampling: one pass, no products written out
-            if native_kernels.amx_swiglu_applies(x.astype(gate.dtype), gate, up):
+            x_in = x.astype(gate.dtype)
+            if native_kernels.amx_swiglu_applies(x_in, gate, up):
                 fused = native_kernels.amx_swiglu
-            elif native_kernels.bf16_swiglu_applies(x.astype(gate.dtype), gate, up):
+            elif native_kernels.bf16_swiglu_applies(x_in, gate, up):
                 fused = native_kernels.bf16_swiglu
         if fused is not None:
-            gated = fused(x.astype(gate.dtype), gate, up)
+            gated = fused(x_in, gate, up)
         else:
             gated = swiglu(self.gate_proj(x), self.up_proj(x))
         return self.down_proj(sharding.constrain(gated, "mlp"))

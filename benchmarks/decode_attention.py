@@ -123,7 +123,7 @@ def main(argv: Sequence[str]) -> None:
         speedup_vs_pure_jax={f"b{r['batch']}_{r['context']}_{r['dtype']}": r["speedup_vs_pure_jax"] for r in table},
         ours_vs_bound={f"b{r['batch']}_{r['context']}_{r['dtype']}": r["ours_vs_bound"] for r in table},
         table=table, memory_bandwidth_gbs_copy=bandwidth, cpu=common.cpu_facts(),
-        native_kernels_built=native_kernels.enabled(), peak_rss_mib=common.peak_rss_mib(),
+        native_kernels_enabled=native_kernels.enabled(), peak_rss_mib=common.peak_rss_mib(),
         load_average_at_end=list(os.getloadavg()), benchmark_seconds=time.perf_counter() - wall,
         versions=dict(jax=jax.__version__),
     )
