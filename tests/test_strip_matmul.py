@@ -21,12 +21,13 @@ DTYPES = [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_fp32_strips_hold_sixteen_columns_row_after_row(transposed):
-    w = np.arange(7 * 48, dtype=np.float32).reshape(7, 48)  # K = 7, N = 48
+@pytest.mark.parametrize("k", [7, 37])  # 37: two whole blocks of 16 rows (16 x 16 transposes) and 5 more
+def test_fp32_strips_hold_sixteen_columns_row_after_row(transposed, k):
+    w = np.arange(k * 48, dtype=np.float32).reshape(k, 48)  # N = 48
     source = jnp.asarray(w.T if transposed else w)
     packed = np.asarray(jax.jit(lambda w: native_kernels.pack_strips(w, transposed))(source))
-    assert packed.shape == (3, 7, 16)
-    np.testing.assert_array_equal(packed, w.reshape(7, 3, 16).transpose(1, 0, 2))  # strip s, row k, lane c
+    assert packed.shape == (3, k, 16)
+    np.testing.assert_array_equal(packed, w.reshape(k, 3, 16).transpose(1, 0, 2))  # strip s, row k, lane c
 
 
 @pytest.mark.skipif(not BF16_STRIPS, reason="bf16 strips need AVX512-BF16 and no AMX")

@@ -42,7 +42,7 @@ inline void ConfigureTiles(int64_t m, bool transposed) {
 
 // The 32 x 32 block of w whose first element is rows[0] (row stride n) in the tiles' pair layout: out[0, 512)
 // holds columns 0-15, out[512, 1024) columns 16-31, pair row r lane c (rows[2r][c], rows[2r + 1][c]). Used by all
-// three ways of reordering w: on the fly (Columns), once per call (AmxPack) and once per GEMM call (ReorderPanel).
+// three ways of reordering w: on the fly (Columns), once per call (AmxPack) and once per GEMM call (GemmPanels).
 inline void ReorderBlock(const uint16_t* rows, int64_t n, const agentgym::PairInterleave& pairs, uint16_t* out) {
   for (int r = 0; r < 16; ++r) {
     const __m512i even = _mm512_loadu_si512(rows + 2 * r * n), odd = _mm512_loadu_si512(rows + (2 * r + 1) * n);

@@ -21,7 +21,8 @@ using namespace agentgym::amx;  // NOLINT: the blocks shared with amx_matmul.cc
 
 // Many rows (a prompt's prefill, training rows): y [M, N] = x [M, K] @ w [K, N]. Each thread takes a range of
 // 32-column panels and goes through them in groups of at most kGroupBytes reordered (all of them, for the model's
-// projections), each group reordered once into the tiles' pair layout, a buffer that stays in L2; then for every
+// projections), each group reordered once into the tiles' pair layout (32 rows of w at a time, each row read along the
+// group's columns: 1.2-1.35x faster at 16-128 rows than panel after panel), a buffer that stays in L2; then for every
 // 32 rows of x (their two 16-row tiles 4 and 5, read again for each panel of the group) it computes each panel's
 // 32 x 32 output block in tiles 0-3 against the panel's two halves (6, 7), writing y row block by row block. A last
 // block of fewer than 32 rows goes through a zero-padded copy. Against XLA's bf16 dots on the model's prefill
@@ -33,14 +34,6 @@ void ConfigureGemmTiles() {
   for (int tile = 0; tile < 8; ++tile) config.Set(tile, 16, 64);
   asm volatile("" ::: "memory");  // GCC does not see ldtilecfg read config: keep the stores above
   _tile_loadconfig(&config);
-}
-
-// out[kb] ([2][16][32] bf16 bits: the two 16-column halves' pair rows) for each 32-row block kb of w's panel p.
-void ReorderPanel(const uint16_t* w, int64_t k_size, int64_t n, int64_t p, const agentgym::PairInterleave& pairs,
-                  uint16_t* out) {
-  for (int64_t kb = 0; kb < k_size / kBlock; ++kb)
-    ReorderBlock(w + kb * kBlock * n + p * kBlock, n, pairs, out + kb * 1024);
-  asm volatile("" ::: "memory");  // the tile loads that read out come after these stores
 }
 
 // y[0:32, 0:32] (row stride y_stride) for 32 rows of x (row stride k_blocks * 32) against a reordered panel.
@@ -115,13 +108,15 @@ void GemmPanels(const uint16_t* xp, const uint16_t* wp, int64_t m, int64_t k_siz
   };
   for (int64_t g0 = begin; g0 < end; g0 += group) {
     const int64_t g1 = std::min(end, g0 + group);
-    for (int64_t p = g0; p < g1; ++p) {
-      uint16_t* out = panels.data() + (p - g0) * panel_size;
-      if constexpr (kSwiGLU)
-        ReorderPanel(p % 2 ? up_wp : wp, k_size, y_cols, p / 2, pairs, out);
-      else
-        ReorderPanel(wp, k_size, n, p, pairs, out);
-    }
+    for (int64_t kb = 0; kb < k_blocks; ++kb)  // row blocks outermost: 32 rows of w read along at a time
+      for (int64_t p = g0; p < g1; ++p) {
+        uint16_t* out = panels.data() + (p - g0) * panel_size + kb * 1024;
+        if constexpr (kSwiGLU)
+          ReorderBlock((p % 2 ? up_wp : wp) + kb * kBlock * y_cols + p / 2 * kBlock, y_cols, pairs, out);
+        else
+          ReorderBlock(wp + kb * kBlock * n + p * kBlock, n, pairs, out);
+      }
+    asm volatile("" ::: "memory");  // the tile loads that read the panels come after these stores
     const auto panel = [&](int64_t p) { return panels.data() + (p - g0) * panel_size; };
     for (int64_t r = 0; r + kMaxRows <= m; r += kMaxRows)
       for (int64_t p = g0; p < g1; p += kStep) output(xp + r * k_size, r, kMaxRows, p, panel(p));

@@ -104,6 +104,64 @@ ffi::Error StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// Strips [begin, end) of w [K, N] packed: 16 rows of w at a time, each strip's part of them (16 rows of 16 lanes,
+// 1 KB) written as one run, so the reads go along 16 rows at once and the writes in 1 KB runs.
+void PackRows(const float* w, int64_t k_size, int64_t n, int64_t begin, int64_t end, float* out) {
+  for (int64_t k0 = 0; k0 < k_size; k0 += kLanes) {
+    const int64_t k1 = k0 + kLanes < k_size ? k0 + kLanes : k_size;
+    for (int64_t s = begin; s < end; ++s)
+      for (int64_t k = k0; k < k1; ++k)
+        _mm512_storeu_ps(out + (s * k_size + k) * kLanes, _mm512_loadu_ps(w + k * n + s * kLanes));
+  }
+}
+
+// dst[c * 16 + r] = src[r * stride + c] for a 16 x 16 block: 32-bit, then 64-bit interleaves within 128-bit lanes
+// (each lane a 4 x 4 transpose), then two rounds of 128-bit lane shuffles across the four 4-row groups.
+inline void Transpose16(const float* src, int64_t stride, float* dst) {
+  __m512 r[16], a[16], b[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * stride);
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  const auto lo = [](__m512 x, __m512 y) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)));
+  };
+  const auto hi = [](__m512 x, __m512 y) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)));
+  };
+  for (int i = 0; i < 4; ++i) {  // b[4i + j], lane l: column 4l + j of rows 4i .. 4i + 3
+    b[4 * i] = lo(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = hi(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = lo(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = hi(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 c0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44), c1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
+    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44);
+    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
+    _mm512_storeu_ps(dst + (0 + j) * kLanes, _mm512_shuffle_f32x4(c0, c2, 0x88));
+    _mm512_storeu_ps(dst + (4 + j) * kLanes, _mm512_shuffle_f32x4(c0, c2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + j) * kLanes, _mm512_shuffle_f32x4(c1, c3, 0x88));
+    _mm512_storeu_ps(dst + (12 + j) * kLanes, _mm512_shuffle_f32x4(c1, c3, 0xDD));
+  }
+}
+
+// Strips [begin, end) of a transposed w [N, K] packed: strip s is rows 16s .. 16s + 15 of w transposed, 16 x 16
+// blocks at a time (rows read along, strips written in order); a K that is not a multiple of 16 ends in gathers.
+void PackTransposed(const float* w, int64_t k_size, int64_t begin, int64_t end, float* out) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(k_size)));
+  const int64_t whole = k_size / kLanes * kLanes;
+  for (int64_t s = begin; s < end; ++s) {
+    const float* block = w + s * kLanes * k_size;
+    float* strip = out + s * k_size * kLanes;
+    for (int64_t k0 = 0; k0 < whole; k0 += kLanes) Transpose16(block + k0, k_size, strip + k0 * kLanes);
+    for (int64_t k = whole; k < k_size; ++k)
+      _mm512_storeu_ps(strip + k * kLanes, _mm512_i32gather_ps(rows, block + k, 4));
+  }
+}
+
 // packed [N/16, K, 16] from w [K, N] (transposed: w [N, K]); strip s, row k, lane c holds w[k, 16s + c]
 // (transposed: w[16s + c, k]).
 ffi::Error StripPack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, bool transposed,
@@ -116,18 +174,10 @@ ffi::Error StripPack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, bool transpo
   const float* wp = w.typed_data();
   float* out = packed->typed_data();
   agentgym::Parallel(pool, n / kLanes, [&](int64_t begin, int64_t end) {
-    if (transposed) {  // lane c of row k gathers w[16s + c, k]: one 16-lane gather per row of the strip
-      const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(static_cast<int>(k_size)));
-      for (int64_t s = begin; s < end; ++s)
-        for (int64_t k = 0; k < k_size; ++k)
-          _mm512_storeu_ps(out + (s * k_size + k) * kLanes,
-                           _mm512_i32gather_ps(rows, wp + s * kLanes * k_size + k, 4));
-    } else {
-      for (int64_t s = begin; s < end; ++s)
-        for (int64_t k = 0; k < k_size; ++k)
-          _mm512_storeu_ps(out + (s * k_size + k) * kLanes, _mm512_loadu_ps(wp + k * n + s * kLanes));
-    }
+    if (transposed)
+      PackTransposed(wp, k_size, begin, end, out);
+    else
+      PackRows(wp, k_size, n, begin, end, out);
   });
   return ffi::Error::Success();
 }
