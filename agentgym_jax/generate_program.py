@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from agentgym_jax import native_kernels, prefill
+from agentgym_jax import native_kernels, prefill, prepacked
 from agentgym_jax.model import KVCache
 from agentgym_jax.token_draws import draw_tokens
 
@@ -50,6 +50,7 @@ def generate_program(
     drawn: jax.Array,  # [B] tokens of this turn drawn by earlier calls (a row resumed mid-turn; else 0)
     recent: jax.Array,  # [B, tail] a resumed row's last drawn ids, for stop sequences (-1 where none)
     stop_after: jax.Array,  # [] return once this many rows stopped (0: once every row's ids are in the cache)
+    packed: dict[str, jax.Array],  # pack_program's packed weights for the decode loop (empty: packed in the program)
     *,
     graphdef: Any,
     max_new: int,
@@ -119,7 +120,21 @@ def generate_program(
         return dict(step=c["step"] + 1, cache=cache, feed=token, feeding=running, reason=reason, tokens=tokens,
                     logprobs=logprobs, count=count, recent=recent)
 
-    with native_kernels.packed_projections():  # the loop's projections read weights packed once, before it
+    # the loop's projections read weights packed once: given (pack_program), or packed here before the loop
+    with native_kernels.packed_projections(), prepacked.replaying(state, packed):
         out = jax.lax.while_loop(cond, body, carry)
     return (prefill.write_back(full_cache, out["cache"]), out["tokens"], out["logprobs"], out["count"] - drawn,
             out["reason"], out["feed"], out["recent"], out["feeding"])
+
+
+@partial(jax.jit, static_argnames=("graphdef", "cache_dtype"))
+def pack_program(state: Any, *, graphdef: Any, cache_dtype: Any) -> dict[str, jax.Array]:
+    """The weights a decode step of at most 32 rows reads packed (:mod:`agentgym_jax.prepacked`), keyed as
+    :func:`generate_program` looks them up: one decode step of one row is traced for its packs only (XLA drops the
+    step itself, whose result is not returned)."""
+    model = nnx.merge(graphdef, state)
+    cache = KVCache.zeros(model.config, 1, 2 * native_kernels.AMX_BLOCK, cache_dtype)
+    with prepacked.recording(state) as made, native_kernels.packed_projections():
+        hidden, _ = model.forward(jnp.zeros((1, 1), jnp.int32), cache=cache)
+        model.logits(hidden)
+    return dict(made)

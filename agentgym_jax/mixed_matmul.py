@@ -10,7 +10,7 @@ products are bf16 x bf16 with fp32 accumulation. With fp32 operands nothing chan
 On CPUs with AMX, a bf16 product of at most 32 rows (a decode step's projections) runs
 :func:`native_kernels.amx_matmul` instead of XLA's dot (:func:`native_kernels.amx_matmul_applies`), or, inside
 :func:`native_kernels.packed_projections` (the generate program's decode loop), :func:`native_kernels.amx_matmul_packed`
-on weights packed once per program call; its gradients stay XLA products. In fp32, products of at most 32 rows
+on weights packed once (per parameter update: agentgym_jax.prepacked); its gradients stay XLA products. In fp32, products of at most 32 rows
 inside :func:`native_kernels.packed_projections` run :func:`native_kernels.strip_matmul` on weights packed into
 strips (:func:`native_kernels.strip_matmul_applies`). bf16 products of more than 32 rows (prompt prefill, the
 training forward pass) run :func:`native_kernels.amx_gemm` (:func:`native_kernels.amx_gemm_applies`), or on CPUs
@@ -45,13 +45,15 @@ def _contract(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _mixed_dot(x: jax.Array, w: jax.Array, transposed: bool, out_dtype: np.dtype) -> jax.Array:
+def _product(x: jax.Array, w: jax.Array, transposed: bool, out_dtype: np.dtype) -> jax.Array:
     if out_dtype == jnp.bfloat16 and native_kernels.amx_gemm_applies(x, w, transposed):
         return native_kernels.amx_gemm(x, w, out_dtype)  # rounded in the kernel: no fp32 [M, N] in memory
     if out_dtype == jnp.bfloat16 and native_kernels.bf16_gemm_applies(x, w, transposed):
         return native_kernels.bf16_gemm(x, w, out_dtype)
     return _contract(x, w, transposed).astype(out_dtype)
+
+
+_mixed_dot = partial(jax.custom_vjp, nondiff_argnums=(2, 3))(_product)
 
 
 def _forward(x, w, transposed, out_dtype):
@@ -80,4 +82,6 @@ def mixed_dot(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype
     ``x`` and ``w`` must share a dtype (cast ``w`` to the compute dtype first)."""
     if x.dtype != w.dtype:
         raise TypeError(f"mixed_dot needs operands of one dtype, got {x.dtype} and {w.dtype}")
+    if native_kernels.packing_projections():  # a sampling loop, never differentiated: w reaches its packing as
+        return _product(x, w, transposed, np.dtype(out_dtype or x.dtype))  # itself (agentgym_jax.prepacked)
     return _mixed_dot(x, w, transposed, np.dtype(out_dtype or x.dtype))

@@ -8,10 +8,11 @@
 - :func:`amx_matmul` (``native/amx_matmul.cc``): bf16 projections of at most 32 rows (decode steps) on Intel AMX
   tiles, used by :func:`mixed_matmul.mixed_dot` where :func:`amx_matmul_applies`; only on CPUs with AMX (and an
   OS that grants it). Inside :func:`packed_projections` (the generate program's decode loop) the same products
-  read weights packed once per call (:func:`pack_for_amx`, :func:`amx_matmul_packed`).
+  read weights packed once (:func:`pack_for_amx`, :func:`amx_matmul_packed`): by the sampler once per
+  parameter update (:mod:`agentgym_jax.prepacked`), else by the program before its loop.
 - :func:`strip_matmul` (``native/strip_matmul.cc``; bf16: ``native/bf16_gemm.cc``): fp32 projections (and bf16
   ones on CPUs with AVX512-BF16 and no AMX) of at most 32 rows inside :func:`packed_projections`, on weights
-  packed once per call into 16-column strips (:func:`pack_strips`; AVX-512), where :func:`strip_matmul_applies`.
+  packed once into 16-column strips (:func:`pack_strips`; AVX-512; as above), where :func:`strip_matmul_applies`.
 - :func:`bf16_gemm` (``native/bf16_gemm.cc``): bf16 products of more than 32 rows (prefill, the training forward
   pass) with AVX512-BF16 dot products, on CPUs that have them and no AMX, where :func:`bf16_gemm_applies`.
 - :func:`bf16_swiglu` (``native/bf16_gemm.cc``): the MLP's gate and up products and SwiGLU in one pass while
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax import attention, native_build
+from agentgym_jax import attention, native_build, prepacked
 from agentgym_jax.native_build import (AMX_FLAGS, Kernel, amx_available, avx512_available, avx512_bf16_available,
                                        build, enabled, register)
 
@@ -209,7 +210,7 @@ def pack_pair_for_amx(gate: jax.Array, up: jax.Array) -> jax.Array:
     k, n = gate.shape
     register(AMX_PACK_PAIR)
     packed = jax.ShapeDtypeStruct((2 * n // 32, k // 32, 2, 16, 16, 2), gate.dtype)
-    return jax.ffi.ffi_call(AMX_PACK_PAIR.target, packed)(gate, up)
+    return prepacked.packed("amx_pair", (gate, up), lambda: jax.ffi.ffi_call(AMX_PACK_PAIR.target, packed)(gate, up))
 
 
 def amx_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -230,7 +231,7 @@ def pack_for_amx(w: jax.Array) -> jax.Array:
     k, n = w.shape
     register(AMX_PACK)
     packed = jax.ShapeDtypeStruct((n // 32, k // 32, 2, 16, 16, 2), w.dtype)
-    return jax.ffi.ffi_call(AMX_PACK.target, packed)(w)
+    return prepacked.packed("amx", (w,), lambda: jax.ffi.ffi_call(AMX_PACK.target, packed)(w))
 
 
 def amx_matmul_packed(x: jax.Array, packed: jax.Array) -> jax.Array:
@@ -265,7 +266,8 @@ def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
     kernel = STRIP_PACK_BF16 if bf16 else STRIP_PACK
     register(kernel)
     shape = (n // STRIP_LANES, k // 2, STRIP_LANES, 2) if bf16 else (n // STRIP_LANES, k, STRIP_LANES)
-    return jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct(shape, w.dtype))(w, transposed=transposed)
+    pack = lambda: jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct(shape, w.dtype))(w, transposed=transposed)  # noqa: E731
+    return prepacked.packed("strips_transposed" if transposed else "strips", (w,), pack)
 
 
 def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:

@@ -239,6 +239,7 @@ class Trainer:
         if train_on:
             batch = host_shards.pack_local_batch(train_on, LENGTH_BUCKETS, self._batch_multiple(),
                                                  self.chat.pad_token_id)
+            self.sampler.release_packed()  # the update's peak memory need not hold the sampler's packed weights
             update_metrics = self.learner.update(batch, update_key)
             self._point_sampler()
             metrics["rollout/batch_tokens"] = batch.num_rows * batch.seq_len * self.processes

@@ -267,7 +267,7 @@ def test_a_one_token_call_holds_one_copy_of_the_model(pair):
         return sampling._generate_program.lower(
             sampler.state, cache, jnp.ones((2, width), jnp.int32), rows, jax.random.split(jax.random.PRNGKey(0), 2),
             jnp.ones((2,), jnp.float32), jnp.ones((2,), jnp.float32), jnp.zeros((2,), jnp.int32), rows * 4,
-            jnp.zeros((2,), jnp.int32), jnp.full((2, 1), -1, jnp.int32), jnp.int32(2), graphdef=sampler.graphdef, max_new=16, stop_ids=(2,), stop_sequences=(), filtered=False, window=64)
+            jnp.zeros((2,), jnp.int32), jnp.full((2, 1), -1, jnp.int32), jnp.int32(2), {}, graphdef=sampler.graphdef, max_new=16, stop_ids=(2,), stop_sequences=(), filtered=False, window=64)
 
     def one_step(state, cache, token):
         model = nnx.merge(sampler.graphdef, state)

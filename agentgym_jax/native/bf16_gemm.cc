@@ -1,6 +1,6 @@
 // bf16 products on CPUs with AVX512-BF16 and no AMX, for XLA's CPU backend (XLA FFI custom calls), accumulated in
 // fp32: y [M, N] = x [M, K] @ w [K, N] for many rows (a prompt's prefill, the training forward pass), returned in
-// fp32 or rounded to bf16, and a decode step's products of at most 32 rows on w packed once per generate call.
+// fp32 or rounded to bf16, and a decode step's products of at most 32 rows on w packed once per parameter update.
 //
 // XLA's CPU backend runs a bf16 dot by converting both operands to fp32 and multiplying those, at the fp32 FMA rate.
 // vdpbf16ps multiplies 16 pairs of bf16 numbers and adds both products to 16 fp32 sums: twice the multiplies of an
@@ -214,7 +214,7 @@ void StripPanels(ffi::ThreadPool& pool, const uint16_t* x, int64_t m, int64_t k_
   });
 }
 
-// A decode step's bf16 projections, y [M, N] fp32 = x [M, K] @ w for M <= 32, on w packed once per generate call by
+// A decode step's bf16 projections, y [M, N] fp32 = x [M, K] @ w for M <= 32, on w packed once per parameter update by
 // Bf16StripPack into strips of pair rows [N/16, K/2, 16, 2] (fp32 strip_matmul's scheme, with half the bytes and
 // half the instructions: no widening, two k per dot product).
 ffi::Error Bf16StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,

@@ -1,5 +1,6 @@
-// A decode step's fp32 projections, y [M, N] = x [M, K] @ w with M <= 32 rows, on weights packed once per generate
-// call into 16-column strips (AVX-512 FMA; XLA FFI custom calls for XLA's CPU backend).
+// A decode step's fp32 projections, y [M, N] = x [M, K] @ w with M <= 32 rows, on weights packed once per
+// parameter update (agentgym_jax.prepacked) into 16-column strips (AVX-512 FMA; XLA FFI custom calls for XLA's
+// CPU backend).
 //
 // At a few rows a projection only streams its weights, and XLA's CPU dots did not: the 210 fp32 projections of a
 // SmolLM2-135M decode step (425 MB) took 40.7 ms at 8 rows (10.4 GB/s) and 60.8 ms at 32 (112 GFLOP/s) on a 2-core
