@@ -46,6 +46,7 @@ from agentgym_jax.native_build import (AMX_FLAGS, Kernel, amx_available, avx512_
 ENV_VAR = native_build.ENV_VAR  # the switch's name, here too for the callers of this module
 
 AMX_MAX_ROWS = 32  # rows of x in two AMX tiles: amx_matmul takes decode-sized products only
+STRIP_MAX_ROWS = 256  # fp32 decode products on packed strips (8 rows a pass over a panel that stays in L2)
 AMX_BLOCK = 32  # amx_matmul's K and N must be multiples of this
 
 DECODE_ATTENTION = Kernel("decode_attention", "AgentgymDecodeAttention", "agentgym_decode_attention")
@@ -161,6 +162,11 @@ def packing_projections() -> bool:
     return _packing.get()
 
 
+def packed_max_rows(dtype: object) -> int:
+    """The most rows for which a decode loop's products in ``dtype`` read packed weights (more take other kernels)."""
+    return STRIP_MAX_ROWS if jnp.dtype(dtype) == jnp.float32 else AMX_MAX_ROWS
+
+
 _inference = contextvars.ContextVar("agentgym_jax_inference_only", default=False)
 
 
@@ -243,13 +249,15 @@ def amx_matmul_packed(x: jax.Array, packed: jax.Array) -> jax.Array:
 
 def strip_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
     """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
-    :func:`strip_matmul` in a program traced now: at most :data:`AMX_MAX_ROWS` rows, an output count that is a
+    :func:`strip_matmul` in a program traced now: at most :data:`STRIP_MAX_ROWS` rows in fp32 (:data:`AMX_MAX_ROWS`
+    in bf16), an output count that is a
     multiple of :data:`STRIP_LANES`, inside :func:`packed_projections`, native kernels enabled (:func:`enabled`);
     fp32 operands on a CPU with AVX-512 (:func:`avx512_available`), or bf16 ones with an even K on a CPU with
     AVX512-BF16 and no AMX (where :func:`amx_matmul_packed` takes them)."""
     rows = int(np.prod(x.shape[:-1]))
     outputs = w.shape[0] if transposed else w.shape[-1]
-    if x.dtype != w.dtype or w.ndim != 2 or not 1 <= rows <= AMX_MAX_ROWS or outputs % STRIP_LANES:
+    max_rows = STRIP_MAX_ROWS if x.dtype == jnp.float32 else AMX_MAX_ROWS
+    if x.dtype != w.dtype or w.ndim != 2 or not 1 <= rows <= max_rows or outputs % STRIP_LANES:
         return False
     if x.dtype == jnp.bfloat16:
         return (x.shape[-1] % 2 == 0 and packing_projections() and enabled() and avx512_bf16_available()
@@ -271,7 +279,8 @@ def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
 
 
 def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
-    """``x @ w`` in fp32 for ``x`` [..., K] (at most 32 rows) and ``packed`` = :func:`pack_strips` (w), both fp32
+    """``x @ w`` in fp32 for ``x`` [..., K] (at most :data:`STRIP_MAX_ROWS` rows in fp32, 32 in bf16) and ``packed``
+    = :func:`pack_strips` (w), both fp32
     (FMAs) or both bf16 (AVX512-BF16 dot products, ``native/bf16_gemm.cc``): each thread streams three strips at a
     time and keeps the outputs of 8 rows in registers across all of K (XLA's dots ran these products at ~10 GB/s at
     8 rows, half the memory bandwidth)."""

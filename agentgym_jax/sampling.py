@@ -135,11 +135,12 @@ class Sampler:
     def _packed_weights(self, batch: int) -> dict[str, jax.Array]:
         """The decode loop's weights packed for the native kernels (generate_program.pack_program), made once per
         parameter update; none where the loop's products do not read packed weights (more than 32 rows)."""
-        if batch > native_kernels.AMX_MAX_ROWS:
+        if batch > native_kernels.packed_max_rows(self.model_config.dtype):
             return {}
         if self._packed is None:
-            with sharding.use_mesh(self.mesh):
-                self._packed = pack_program(self.state, graphdef=self.graphdef, cache_dtype=self.config.cache_dtype)
+            with sharding.use_mesh(self.mesh):  # no native kernels on meshes of several devices: nothing to pack
+                self._packed = {} if not native_kernels.enabled() else pack_program(
+                    self.state, graphdef=self.graphdef, cache_dtype=self.config.cache_dtype)
         return self._packed
 
     @property

@@ -62,6 +62,14 @@ def test_products_equal_numpys(rows, k, n, transposed, dtype):
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(x).max() * 4)
 
 
+@pytest.mark.parametrize("rows", [64, 100, 256])  # fp32 strips take decode batches beyond 32 rows: 8 rows a pass
+def test_fp32_products_of_many_rows_equal_numpys(rows):
+    rng = np.random.RandomState(rows)
+    x, w = rng.randn(rows, 96).astype(np.float32), rng.randn(96, 80).astype(np.float32)
+    ours = jax.jit(lambda x, w: native_kernels.strip_matmul(x, native_kernels.pack_strips(w)))(x, w)
+    np.testing.assert_allclose(np.asarray(ours), x.astype(np.float64) @ w, rtol=0, atol=1e-4)
+
+
 def _targets(fn, *args) -> str:
     return jax.jit(fn).lower(*args).compile().as_text()
 
@@ -84,7 +92,9 @@ def test_mixed_dot_takes_the_kernel_for_fp32_products_of_few_rows_in_packed_loop
                                    np.asarray(jax.lax.fori_loop(0, 4, lambda i, x: x @ (w.T if transposed else w), x)),
                                    rtol=1e-5)
     assert PRODUCT not in _targets(lambda x, w: mixed_dot(x, w), x, w)  # a single product would pay the packing
-    assert PRODUCT not in _targets(steps, jnp.ones((33, 64), jnp.float32), w)  # more than 32 rows
+    assert PRODUCT in _targets(steps, jnp.ones((64, 64), jnp.float32), w)  # a decode batch of 64 rows
+    rows = native_kernels.STRIP_MAX_ROWS + 1
+    assert PRODUCT not in _targets(steps, jnp.ones((rows, 64), jnp.float32), w)  # more rows: XLA's dots
     def narrow(x, w):
         with native_kernels.packed_projections():
             return jax.lax.fori_loop(0, 4, lambda i, x: x * mixed_dot(x, w).mean(-1, keepdims=True), x)

