@@ -129,7 +129,7 @@ def generate_program(
 
 @partial(jax.jit, static_argnames=("graphdef", "cache_dtype"))
 def pack_program(state: Any, *, graphdef: Any, cache_dtype: Any) -> dict[str, jax.Array]:
-    """The weights a decode step of at most 32 rows reads packed (:mod:`agentgym_jax.prepacked`), keyed as
+    """The weights a decode step of few rows reads packed (:mod:`agentgym_jax.prepacked`), keyed as
     :func:`generate_program` looks them up: one decode step of one row is traced for its packs only (XLA drops the
     step itself, whose result is not returned)."""
     model = nnx.merge(graphdef, state)

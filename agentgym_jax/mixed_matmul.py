@@ -10,12 +10,13 @@ products are bf16 x bf16 with fp32 accumulation. With fp32 operands nothing chan
 On CPUs with AMX, a bf16 product of at most 32 rows (a decode step's projections) runs
 :func:`native_kernels.amx_matmul` instead of XLA's dot (:func:`native_kernels.amx_matmul_applies`), or, inside
 :func:`native_kernels.packed_projections` (the generate program's decode loop), :func:`native_kernels.amx_matmul_packed`
-on weights packed once (per parameter update: agentgym_jax.prepacked); its gradients stay XLA products. In fp32, products of at most 32 rows
-inside :func:`native_kernels.packed_projections` run :func:`native_kernels.strip_matmul` on weights packed into
-strips (:func:`native_kernels.strip_matmul_applies`). bf16 products of more than 32 rows (prompt prefill, the
-training forward pass) run :func:`native_kernels.amx_gemm` (:func:`native_kernels.amx_gemm_applies`), or on CPUs
-with AVX512-BF16 and no AMX :func:`native_kernels.bf16_gemm`, and bf16 products of at most 32 rows inside
-:func:`native_kernels.packed_projections` there run :func:`native_kernels.strip_matmul` as fp32 ones do.
+on weights packed once per parameter update (:mod:`agentgym_jax.prepacked`); its gradients stay XLA products. In
+fp32, products of at most 256 rows inside :func:`native_kernels.packed_projections` run
+:func:`native_kernels.strip_matmul` on weights packed into strips (:func:`native_kernels.strip_matmul_applies`).
+bf16 products of more than 32 rows (prompt prefill, the training forward pass) run :func:`native_kernels.amx_gemm`
+(:func:`native_kernels.amx_gemm_applies`), or on CPUs with AVX512-BF16 and no AMX :func:`native_kernels.bf16_gemm`,
+and bf16 products of at most 32 rows inside :func:`native_kernels.packed_projections` there run
+:func:`native_kernels.strip_matmul` as fp32 ones do.
 """
 
 from __future__ import annotations

@@ -274,8 +274,9 @@ def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
     kernel = STRIP_PACK_BF16 if bf16 else STRIP_PACK
     register(kernel)
     shape = (n // STRIP_LANES, k // 2, STRIP_LANES, 2) if bf16 else (n // STRIP_LANES, k, STRIP_LANES)
-    pack = lambda: jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct(shape, w.dtype))(w, transposed=transposed)  # noqa: E731
-    return prepacked.packed("strips_transposed" if transposed else "strips", (w,), pack)
+    call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct(shape, w.dtype))
+    kind = "strips_transposed" if transposed else "strips"
+    return prepacked.packed(kind, (w,), lambda: call(w, transposed=transposed))
 
 
 def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:

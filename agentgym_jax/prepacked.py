@@ -40,7 +40,8 @@ _memo: contextvars.ContextVar[_Memo | None] = contextvars.ContextVar("agentgym_j
 
 
 def packed(kind: str, operands: tuple[jax.Array, ...], pack: Callable[[], jax.Array]) -> jax.Array:
-    """``pack()``, or the array given for the same key (:func:`replaying`); records what it packs (:func:`recording`)."""
+    """``pack()``, or the array given for the same key (:func:`replaying`); records what it packs
+    (:func:`recording`)."""
     memo = _memo.get()
     key = None if memo is None else memo.key(kind, operands)
     if key is None:

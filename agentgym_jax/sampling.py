@@ -134,7 +134,8 @@ class Sampler:
 
     def _packed_weights(self, batch: int) -> dict[str, jax.Array]:
         """The decode loop's weights packed for the native kernels (generate_program.pack_program), made once per
-        parameter update; none where the loop's products do not read packed weights (more than 32 rows)."""
+        parameter update; none where the loop's products do not read packed weights (more rows than
+        :func:`native_kernels.packed_max_rows`)."""
         if batch > native_kernels.packed_max_rows(self.model_config.dtype):
             return {}
         if self._packed is None:
