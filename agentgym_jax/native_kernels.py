@@ -10,9 +10,10 @@
   OS that grants it). Inside :func:`packed_projections` (the generate program's decode loop) the same products
   read weights packed once (:func:`pack_for_amx`, :func:`amx_matmul_packed`): by the sampler once per
   parameter update (:mod:`agentgym_jax.prepacked`), else by the program before its loop.
-- :func:`strip_matmul` (``native/strip_matmul.cc``; bf16: ``native/bf16_gemm.cc``): fp32 projections (and bf16
-  ones on CPUs with AVX512-BF16 and no AMX) of at most 32 rows inside :func:`packed_projections`, on weights
-  packed once into 16-column strips (:func:`pack_strips`; AVX-512; as above), where :func:`strip_matmul_applies`.
+- :func:`strip_matmul` (``native/strip_matmul.cc``; bf16: ``native/bf16_gemm.cc``): fp32 projections of at most
+  256 rows (and bf16 ones of at most 32 on CPUs with AVX512-BF16 and no AMX) inside :func:`packed_projections`,
+  on weights packed once into 16-column strips (:func:`pack_strips`; AVX-512; as above), where
+  :func:`strip_matmul_applies`.
 - :func:`bf16_gemm` (``native/bf16_gemm.cc``): bf16 products of more than 32 rows (prefill, the training forward
   pass) with AVX512-BF16 dot products, on CPUs that have them and no AMX, where :func:`bf16_gemm_applies`.
 - :func:`bf16_swiglu` (``native/bf16_gemm.cc``): the MLP's gate and up products and SwiGLU in one pass while
@@ -250,8 +251,8 @@ def amx_matmul_packed(x: jax.Array, packed: jax.Array) -> jax.Array:
 def strip_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
     """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
     :func:`strip_matmul` in a program traced now: at most :data:`STRIP_MAX_ROWS` rows in fp32 (:data:`AMX_MAX_ROWS`
-    in bf16), an output count that is a
-    multiple of :data:`STRIP_LANES`, inside :func:`packed_projections`, native kernels enabled (:func:`enabled`);
+    in bf16), an output count that is a multiple of :data:`STRIP_LANES`, inside :func:`packed_projections`, native
+    kernels enabled (:func:`enabled`);
     fp32 operands on a CPU with AVX-512 (:func:`avx512_available`), or bf16 ones with an even K on a CPU with
     AVX512-BF16 and no AMX (where :func:`amx_matmul_packed` takes them)."""
     rows = int(np.prod(x.shape[:-1]))
@@ -281,10 +282,9 @@ def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
 
 def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
     """``x @ w`` in fp32 for ``x`` [..., K] (at most :data:`STRIP_MAX_ROWS` rows in fp32, 32 in bf16) and ``packed``
-    = :func:`pack_strips` (w), both fp32
-    (FMAs) or both bf16 (AVX512-BF16 dot products, ``native/bf16_gemm.cc``): each thread streams three strips at a
-    time and keeps the outputs of 8 rows in registers across all of K (XLA's dots ran these products at ~10 GB/s at
-    8 rows, half the memory bandwidth)."""
+    = :func:`pack_strips` (w), both fp32 (FMAs) or both bf16 (AVX512-BF16 dot products, ``native/bf16_gemm.cc``):
+    each thread streams three strips at a time and keeps the outputs of 8 rows in registers across all of K (XLA's
+    dots ran these products at ~10 GB/s at 8 rows, half the memory bandwidth)."""
     if x.dtype != packed.dtype:
         raise TypeError(f"strip_matmul needs x and the packed strips in one dtype, got {x.dtype} and {packed.dtype}")
     kernel = STRIP_MATMUL_BF16 if x.dtype == jnp.bfloat16 else STRIP_MATMUL

@@ -2,12 +2,12 @@
 
 Inside :func:`agentgym_jax.native_kernels.packed_projections` the decode loop's products read their weights packed
 into the kernels' layouts (AMX panels, AVX-512 strips). Packed inside the generate program, every call repacked all
-of them and faulted the packed copy's fresh pages in: ~100 ms of a one-token fp32 call of SmolLM2-135M (424 MB
-packed, 131,000 page faults) and ~25 ms in bf16, paid again by each turn of a multi-turn rollout.
+of them and faulted the packed copy's fresh pages in: in a profile, ~180 ms of a ~250 ms one-token fp32 call of
+SmolLM2-135M (538 MB packed, 131,000 page faults a call), paid again by each turn of a multi-turn rollout.
 
 A program that packs (the sampler's pack program) traces its products under :func:`recording` and returns what each
-pack call produced, keyed by what was packed (:func:`pack_key`: the kind of packing and the paths of its operands in
-the parameter state); a program that samples traces under :func:`replaying` with those arrays as an argument and
+pack call produced, keyed by what was packed (the kind of packing and the paths of its operands in the parameter
+state); a program that samples traces under :func:`replaying` with those arrays as an argument and
 takes a pack from them where its key matches. A pack whose operands are not parameter leaves (e.g. weights computed
 in the program) is packed in the program as before.
 """

@@ -21,12 +21,12 @@ using namespace agentgym::amx;  // NOLINT: the blocks shared with amx_matmul.cc
 
 // Many rows (a prompt's prefill, training rows): y [M, N] = x [M, K] @ w [K, N]. Each thread takes a range of
 // 32-column panels and goes through them in groups of at most kGroupBytes reordered (all of them, for the model's
-// projections), each group reordered once into the tiles' pair layout (32 rows of w at a time, each row read along the
-// group's columns: 1.2-1.35x faster at 16-128 rows than panel after panel), a buffer that stays in L2; then for every
-// 32 rows of x (their two 16-row tiles 4 and 5, read again for each panel of the group) it computes each panel's
-// 32 x 32 output block in tiles 0-3 against the panel's two halves (6, 7), writing y row block by row block. A last
-// block of fewer than 32 rows goes through a zero-padded copy. Against XLA's bf16 dots on the model's prefill
-// shapes (128-4096 rows, 2-core Xeon): 1.05-2.1x.
+// projections), each group reordered once into the tiles' pair layout (32 rows of w at a time, each row read
+// along the group's columns: 1.2-1.35x faster at 16-128 rows than panel after panel), a buffer that stays in L2;
+// then for every 32 rows of x (their two 16-row tiles 4 and 5, read again for each panel of the group) it computes
+// each panel's 32 x 32 output block in tiles 0-3 against the panel's two halves (6, 7), writing y row block by row
+// block. A last block of fewer than 32 rows goes through a zero-padded copy. Against XLA's bf16 dots on the model's
+// prefill shapes (128-4096 rows, 2-core Xeon): 1.05-2.1x.
 constexpr int64_t kGroupBytes = 1 << 20;
 
 void ConfigureGemmTiles() {
