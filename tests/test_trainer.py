@@ -65,6 +65,27 @@ def test_reward_rises_and_observability_files_exist(tiny_dir, tmp_path):
     assert rows[-1]["sampler/compilations"] <= 4
 
 
+def test_weights_are_packed_once_per_update_and_freed_before_it(tiny_dir, tmp_path, monkeypatch):
+    from agentgym_jax import sampling
+    from agentgym_jax.trainer import Trainer
+
+    packs, generate_calls, packed_at_update = [], [], []
+    pack_program, generate = sampling.pack_program, sampling.Sampler.generate
+    monkeypatch.setattr(sampling, "pack_program", lambda *a, **k: packs.append(1) or pack_program(*a, **k))
+    monkeypatch.setattr(sampling.Sampler, "generate",
+                        lambda self, *a, **k: generate_calls.append(1) or generate(self, *a, **k))
+    trainer = Trainer(tiny_config(tiny_dir, tmp_path, steps=2))
+    update = trainer.learner.update
+    monkeypatch.setattr(trainer.learner, "update",
+                        lambda *a, **k: packed_at_update.append(trainer.sampler._packed) or update(*a, **k))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert len(generate_calls) >= 4  # two-turn episodes: at least two calls a step
+    assert len(packs) == 2 and packed_at_update == [None, None]  # one pack per parameter version, freed for updates
+
+
 def test_environment_tokens_are_masked_in_a_real_batch(tiny_dir, tmp_path):
     import jax
 
