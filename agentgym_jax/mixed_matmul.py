@@ -83,6 +83,6 @@ def mixed_dot(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype
     ``x`` and ``w`` must share a dtype (cast ``w`` to the compute dtype first)."""
     if x.dtype != w.dtype:
         raise TypeError(f"mixed_dot needs operands of one dtype, got {x.dtype} and {w.dtype}")
-    if native_kernels.packing_projections():  # a sampling loop, never differentiated: w reaches its packing as
-        return _product(x, w, transposed, np.dtype(out_dtype or x.dtype))  # itself (agentgym_jax.prepacked)
+    if native_kernels.traced_to_sample():  # never differentiated: w reaches its packing (or its packs) as itself
+        return _product(x, w, transposed, np.dtype(out_dtype or x.dtype))  # (agentgym_jax.prepacked)
     return _mixed_dot(x, w, transposed, np.dtype(out_dtype or x.dtype))

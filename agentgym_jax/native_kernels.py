@@ -57,6 +57,9 @@ AMX_MATMUL_PACKED = Kernel("amx_matmul", "AgentgymAmxMatmulPacked", "agentgym_am
 AMX_PACK = Kernel("amx_matmul", "AgentgymAmxPack", "agentgym_amx_pack", AMX_FLAGS)
 AMX_GEMM = Kernel("amx_gemm", "AgentgymAmxGemm", "agentgym_amx_gemm", AMX_FLAGS)
 AMX_SWIGLU = Kernel("amx_gemm", "AgentgymAmxSwiGLU", "agentgym_amx_swiglu", AMX_FLAGS)
+AMX_GEMM_PACKED = Kernel("amx_gemm", "AgentgymAmxGemmPacked", "agentgym_amx_gemm_packed", AMX_FLAGS)
+AMX_SWIGLU_PACKED_ROWS = Kernel("amx_gemm", "AgentgymAmxSwiGLUPackedRows", "agentgym_amx_swiglu_packed_rows",
+                                AMX_FLAGS)
 AMX_SWIGLU_PACKED = Kernel("amx_matmul", "AgentgymAmxSwiGLUPacked", "agentgym_amx_swiglu_packed", AMX_FLAGS)
 AMX_PACK_PAIR = Kernel("amx_matmul", "AgentgymAmxPackPair", "agentgym_amx_pack_pair", AMX_FLAGS)
 AMX_ATTENTION_FORWARD = Kernel("amx_attention", "AgentgymAmxAttentionForward", "agentgym_amx_attention_forward",
@@ -120,6 +123,9 @@ def amx_gemm(x: jax.Array, w: jax.Array, out_dtype: object = jnp.float32) -> jax
     numbers as ``amx_gemm(x, w).astype(bfloat16)``, with half the bytes written and read back)."""
     if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
         raise TypeError(f"amx_gemm returns fp32 or bf16, not {jnp.dtype(out_dtype)}")
+    packed = prepacked.given("amx", (w,))  # the sampler's packs (a prefill): its panels without the reorder
+    if packed is not None:
+        return _rows_product(AMX_GEMM_PACKED, x, w.shape[1], packed, out_dtype=jnp.dtype(out_dtype))
     return _rows_product(AMX_GEMM, x, w.shape[1], w, out_dtype=jnp.dtype(out_dtype))
 
 
@@ -169,6 +175,12 @@ def packed_max_rows(dtype: object) -> int:
 
 
 _inference = contextvars.ContextVar("agentgym_jax_inference_only", default=False)
+
+
+def traced_to_sample() -> bool:
+    """Whether a program traced now is never differentiated (inside :func:`inference_only` or
+    :func:`packed_projections`)."""
+    return _inference.get() or packing_projections()
 
 
 @contextlib.contextmanager
@@ -228,6 +240,9 @@ def amx_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
     rows = int(np.prod(x.shape[:-1]))
     if rows <= AMX_MAX_ROWS and packing_projections():
         return _rows_product(AMX_SWIGLU_PACKED, x, gate.shape[1], pack_pair_for_amx(gate, up), out_dtype=jnp.bfloat16)
+    packed = prepacked.given("amx_pair", (gate, up))  # the sampler's packs (a prefill): no reorder
+    if packed is not None:
+        return _rows_product(AMX_SWIGLU_PACKED_ROWS, x, gate.shape[1], packed, out_dtype=jnp.bfloat16)
     return _rows_product(AMX_SWIGLU, x, gate.shape[1], gate, up, out_dtype=jnp.bfloat16)
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from agentgym_jax import native_kernels, sharding
+from agentgym_jax import native_kernels, prepacked, sharding
 from agentgym_jax.attention import KEY_SLOT_AXIS, VALUE_SLOT_AXIS
 from agentgym_jax.model import KVCache
 
@@ -95,12 +95,14 @@ def put_rows_program(cache: KVCache, part: KVCache, index: jax.Array) -> KVCache
 
 
 @partial(jax.jit, static_argnames=("graphdef", "window"), donate_argnames=("cache",))
-def prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengths: jax.Array, *, graphdef: Any,
-                    window: int):
+def prefill_program(state: Any, cache: KVCache, new_tokens: jax.Array, new_lengths: jax.Array,
+                    packed: dict[str, jax.Array], *, graphdef: Any, window: int):
     """Writes each row's new tokens into its cache without sampling (rows with length 0 are untouched),
-    attending over the first ``window`` slots."""
+    attending over the first ``window`` slots. ``packed``: the sampler's packed weights (agentgym_jax.prepacked),
+    whose AMX panels the products of many rows read instead of reordering w in each call (may be empty)."""
     model = nnx.merge(graphdef, state)
-    with native_kernels.inference_only():  # never differentiated: the sampling-only kernels may run
+    # never differentiated: the sampling-only kernels may run
+    with native_kernels.inference_only(), prepacked.replaying(state, packed):
         _, cache = model.forward(new_tokens, cache=limit_window(cache, window))
     return dataclasses.replace(cache, lengths=cache.lengths + new_lengths, window=None)
 

@@ -53,6 +53,14 @@ def packed(kind: str, operands: tuple[jax.Array, ...], pack: Callable[[], jax.Ar
     return memo.made[key]
 
 
+def given(kind: str, operands: tuple[jax.Array, ...]) -> jax.Array | None:
+    """The array given for packing ``operands`` as ``kind`` (:func:`replaying`), or None: for products that would
+    otherwise reorder their weights themselves (the prefill's products of many rows read the decode loop's packs)."""
+    memo = _memo.get()
+    key = None if memo is None or memo.given is None else memo.key(kind, operands)
+    return None if key is None else memo.given.get(key)
+
+
 @contextlib.contextmanager
 def recording(state: Any) -> Iterator[dict[str, jax.Array]]:
     """Within it, packs of ``state``'s leaves are recorded into the dict it yields (key -> packed array)."""

@@ -88,3 +88,49 @@ def test_a_pack_is_taken_from_the_given_arrays_only_for_its_own_leaves():
         assert prepacked.packed("other", (state["a"],), lambda: made_here + 1)[0] == 8  # another kind: packed here
         assert prepacked.packed("kind", (state["a"], state["b"]), lambda: made_here - 1)[0] == 6
     assert prepacked.packed("kind", (state["a"],), lambda: made_here * 0)[0] == 0  # outside both: packed
+
+
+@pytest.mark.skipif(not native_kernels.amx_available(), reason="AMX products of many rows")
+@pytest.mark.parametrize("rows", [33, 100, 256])  # whole 32-row blocks and a zero-padded tail
+def test_products_of_many_rows_on_given_panels_equal_the_reordering_kernels(rows, monkeypatch):
+    _use_native_kernels(monkeypatch, "1")
+    rng = np.random.RandomState(rows)
+    x = jnp.asarray(rng.randn(rows, 96), jnp.bfloat16)
+    state = {"w": jnp.asarray(rng.randn(96, 64), jnp.bfloat16), "up": jnp.asarray(rng.randn(96, 64), jnp.bfloat16)}
+    given = {"amx:['w']": native_kernels.pack_for_amx(state["w"]),
+             "amx_pair:['w']+['up']": native_kernels.pack_pair_for_amx(state["w"], state["up"])}
+
+    def products(state, given, x):
+        with prepacked.replaying(state, given):
+            return (native_kernels.amx_gemm(x, state["w"]), native_kernels.amx_gemm(x, state["w"], jnp.bfloat16),
+                    native_kernels.amx_swiglu(x, state["w"], state["up"]))
+
+    hlo = jax.jit(products).lower(state, given, x).compile().as_text()
+    assert native_kernels.AMX_GEMM_PACKED.target in hlo and native_kernels.AMX_SWIGLU_PACKED_ROWS.target in hlo
+    assert f'"{native_kernels.AMX_GEMM.target}"' not in hlo and f'"{native_kernels.AMX_SWIGLU.target}"' not in hlo
+    ours = jax.jit(products)(state, given, x)
+    theirs = jax.jit(products)(state, {}, x)  # nothing given: each call reorders w itself
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.skipif(not native_kernels.amx_available(), reason="bf16 prefill products read the packs on AMX CPUs")
+def test_bf16_prefill_reads_the_packs_and_gives_the_same_cache(tmp_path_factory, monkeypatch):
+    _use_native_kernels(monkeypatch, "1")
+    _, _, model_dir = _pair("qwen2-gqa-untied", tmp_path_factory)
+    model = hf.load_model(model_dir, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    program, compiled = sampling.prefill.prefill_program, []
+    monkeypatch.setattr(sampling.prefill, "prefill_program", lambda *a, **k: compiled.append(
+        program.lower(*a, **k).compile().as_text()) or program(*a, **k))
+    caches = []
+    for packs in (True, False):
+        sampler = Sampler(model, SamplerConfig(cache_length=128))
+        if not packs:
+            monkeypatch.setattr(sampler, "_packed_weights", lambda batch: {})
+        state = sampler.prefill(sampler.new_state(2), [[7] * 40 + [5], [9] * 70])
+        caches.append(jax.tree_util.tree_map(np.asarray, (state.cache.keys, state.cache.values)))
+    with_packs, without = compiled[0], compiled[len(compiled) // 2]  # each sampler's first call (its longest piece)
+    assert native_kernels.AMX_GEMM_PACKED.target in with_packs and native_kernels.AMX_GEMM_PACKED.target not in without
+    assert f'"{native_kernels.AMX_GEMM.target}"' not in with_packs and f'"{native_kernels.AMX_GEMM.target}"' in without
+    for a, b in zip(jax.tree_util.tree_leaves(caches[0]), jax.tree_util.tree_leaves(caches[1])):
+        np.testing.assert_array_equal(a, b)

@@ -75,9 +75,11 @@ void StoreRows(const float* block, int64_t rows, uint16_t* y, int64_t n) {
 // bytes for the projections whose consumers take bf16; the tiles go through an L1 block first). kSwiGLU: wp and
 // up_wp are the gate's and the up projection's [K, N/2], their panels taken in turn (gate 0, up 0, gate 1, ...; begin
 // even), and y, bf16 [M, N/2], gets silu(gate) * up, neither product leaving L1.
+// prepacked: w's panels already in the pair layout (AmxPack's [N/32, K/32, ...], or AmxPackPair's gate and up
+// panels in turn for kSwiGLU), read in place of the per-call reorder (wp and up_wp unused).
 template <typename Out, bool kSwiGLU = false>
 void GemmPanels(const uint16_t* xp, const uint16_t* wp, int64_t m, int64_t k_size, int64_t n, int64_t begin,
-                int64_t end, Out* yp, const uint16_t* up_wp = nullptr) {
+                int64_t end, Out* yp, const uint16_t* up_wp = nullptr, const uint16_t* prepacked = nullptr) {
   constexpr bool kDirect = std::is_same_v<Out, float>;  // fp32 tiles go straight to y
   constexpr int64_t kStep = kSwiGLU ? 2 : 1;  // panels per output panel
   const int64_t k_blocks = k_size / kBlock, whole = m / kMaxRows * kMaxRows, tail = m - whole, y_cols = n / kStep;
@@ -86,7 +88,7 @@ void GemmPanels(const uint16_t* xp, const uint16_t* wp, int64_t m, int64_t k_siz
   const int64_t panel_size = k_blocks * 1024;
   const int64_t fits = std::max<int64_t>(kStep, kGroupBytes / (panel_size * 2) / kStep * kStep);
   const int64_t group = std::min<int64_t>(end - begin, fits);
-  std::vector<uint16_t> panels(group * panel_size), padded(tail ? kMaxRows * k_size : 0, 0);
+  std::vector<uint16_t> panels(prepacked ? 0 : group * panel_size), padded(tail ? kMaxRows * k_size : 0, 0);
   std::copy(xp + whole * k_size, xp + m * k_size, padded.begin());
   alignas(64) float block[kMaxRows * kBlock], up[kSwiGLU ? kMaxRows * kBlock : 1];
   // the output panel of w's panel p for 32 rows of x from row r (rows of them kept)
@@ -108,7 +110,7 @@ void GemmPanels(const uint16_t* xp, const uint16_t* wp, int64_t m, int64_t k_siz
   };
   for (int64_t g0 = begin; g0 < end; g0 += group) {
     const int64_t g1 = std::min(end, g0 + group);
-    for (int64_t kb = 0; kb < k_blocks; ++kb)  // row blocks outermost: 32 rows of w read along at a time
+    for (int64_t kb = 0; kb < (prepacked ? 0 : k_blocks); ++kb)  // row blocks outermost: 32 rows of w at a time
       for (int64_t p = g0; p < g1; ++p) {
         uint16_t* out = panels.data() + (p - g0) * panel_size + kb * 1024;
         if constexpr (kSwiGLU)
@@ -117,7 +119,9 @@ void GemmPanels(const uint16_t* xp, const uint16_t* wp, int64_t m, int64_t k_siz
           ReorderBlock(wp + kb * kBlock * n + p * kBlock, n, pairs, out);
       }
     asm volatile("" ::: "memory");  // the tile loads that read the panels come after these stores
-    const auto panel = [&](int64_t p) { return panels.data() + (p - g0) * panel_size; };
+    const auto panel = [&](int64_t p) {
+      return prepacked ? prepacked + p * panel_size : panels.data() + (p - g0) * panel_size;
+    };
     for (int64_t r = 0; r + kMaxRows <= m; r += kMaxRows)
       for (int64_t p = g0; p < g1; p += kStep) output(xp + r * k_size, r, kMaxRows, p, panel(p));
     if (tail)
@@ -150,6 +154,30 @@ ffi::Error AmxGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// AmxGemm on w packed by AmxPack ([N/32, K/32, 2, 16, 16, 2]: the panels once per parameter update, no reorder).
+ffi::Error AmxGemmPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,
+                         ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions(), pd = packed.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 6 || pd[1] * kBlock != xd[1] || yd.size() != 2 || yd[0] != xd[0] ||
+      yd[1] != pd[0] * kBlock)
+    return ffi::Error::InvalidArgument("amx_gemm_packed: x [M, K], w packed [N/32, K/32, 2, 16, 16, 2], y [M, N]");
+  const auto out_type = y->element_type();
+  if (out_type != ffi::F32 && out_type != ffi::BF16)
+    return ffi::Error::InvalidArgument("amx_gemm_packed: y must be fp32 or bf16");
+  if (!agentgym::AmxGranted()) return ffi::Error::Internal("amx_gemm: the OS did not grant this process AMX tiles");
+  const int64_t m = xd[0], k_size = xd[1], n = yd[1];
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.untyped_data());
+  void* yp = y->untyped_data();
+  agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
+    if (out_type == ffi::F32)
+      GemmPanels(xp, nullptr, m, k_size, n, begin, end, static_cast<float*>(yp), nullptr, wp);
+    else
+      GemmPanels(xp, nullptr, m, k_size, n, begin, end, static_cast<uint16_t*>(yp), nullptr, wp);
+  });
+  return ffi::Error::Success();
+}
+
 // SwiGLU's two products and silu(gate) * up in one pass, bf16 out, neither product written out: x [M, K] and the
 // gate's and up projection's w [K, N] (many rows: their panels reordered per call, as AmxGemm does), or (at most 32
 // rows, a decode step) both packed by AmxPackPair, their panels in turn.
@@ -172,7 +200,33 @@ ffi::Error AmxSwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// AmxSwiGLU on gate and up packed together by AmxPackPair ([2N/32, K/32, 2, 16, 16, 2]), any number of rows.
+ffi::Error AmxSwiGLUPackedRows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,
+                               ffi::ResultBuffer<ffi::BF16> y) {
+  const auto xd = x.dimensions(), pd = packed.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 6 || pd[1] * kBlock != xd[1] || pd[0] % 2 || yd.size() != 2 ||
+      yd[0] != xd[0] || yd[1] * 2 != pd[0] * kBlock)
+    return ffi::Error::InvalidArgument("amx_swiglu_packed_rows: x [M, K], gate and up packed [2N/32, K/32, ...]");
+  if (!agentgym::AmxGranted()) return ffi::Error::Internal("amx_swiglu: the OS did not grant this process AMX tiles");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.untyped_data());
+  auto* yp = reinterpret_cast<uint16_t*>(y->untyped_data());
+  const int64_t m = xd[0], k_size = xd[1], n = yd[1];
+  agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
+    GemmPanels<uint16_t, true>(xp, nullptr, m, k_size, 2 * n, 2 * begin, 2 * end, yp, nullptr, wp);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxGemmPacked, AmxGemmPacked,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxSwiGLUPackedRows, AmxSwiGLUPackedRows,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymAmxGemm, AmxGemm,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
