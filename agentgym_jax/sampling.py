@@ -412,7 +412,7 @@ class Sampler:
             if self.mesh is not None:
                 tokens = jax.device_put(tokens, sharding.named_sharding(self.mesh, "tokens"))
                 counts = jax.device_put(counts, sharding.named_sharding(self.mesh, "rows"))
-            cache = prefill.prefill_program(self.state, state.cache, tokens, counts, self._packed_weights(1),
+            cache = prefill.prefill_program(self.state, state.cache, tokens, counts, packed=self._packed_weights(1),
                                             graphdef=self.graphdef, window=window)
         state.cache = None  # donated
         return dataclasses.replace(state, cache=cache, lengths=state.lengths + lengths)
