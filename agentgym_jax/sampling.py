@@ -144,6 +144,11 @@ class Sampler:
                     self.state, graphdef=self.graphdef, cache_dtype=self.config.cache_dtype)
         return self._packed
 
+    def _prefill_packs(self) -> dict[str, jax.Array]:
+        """The packs a prefill reads: its bf16 products of many rows take the AMX panels (native_kernels.amx_gemm);
+        no fp32 product of a prefill reads packed weights, so none are made or passed for one."""
+        return self._packed_weights(1) if jnp.dtype(self.model_config.dtype) == jnp.bfloat16 else {}
+
     @property
     def compilations(self) -> int:
         """XLA compilations of the generation program so far in this process."""
@@ -412,7 +417,7 @@ class Sampler:
             if self.mesh is not None:
                 tokens = jax.device_put(tokens, sharding.named_sharding(self.mesh, "tokens"))
                 counts = jax.device_put(counts, sharding.named_sharding(self.mesh, "rows"))
-            cache = prefill.prefill_program(self.state, state.cache, tokens, counts, packed=self._packed_weights(1),
+            cache = prefill.prefill_program(self.state, state.cache, tokens, counts, packed=self._prefill_packs(),
                                             graphdef=self.graphdef, window=window)
         state.cache = None  # donated
         return dataclasses.replace(state, cache=cache, lengths=state.lengths + lengths)

@@ -130,6 +130,19 @@ void GemmPanels(const uint16_t* xp, const uint16_t* wp, int64_t m, int64_t k_siz
   _tile_release();
 }
 
+// y [M, N] = x @ w in fp32 or bf16 (y's type), w as [K, N] (wp) or already packed (prepacked), over the pool.
+void GemmInto(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* wp, const uint16_t* prepacked, int64_t m,
+              int64_t k_size, int64_t n, ffi::Result<ffi::AnyBuffer>& y) {
+  void* yp = y->untyped_data();
+  const bool fp32 = y->element_type() == ffi::F32;
+  agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
+    if (fp32)
+      GemmPanels(xp, wp, m, k_size, n, begin, end, static_cast<float*>(yp), nullptr, prepacked);
+    else
+      GemmPanels(xp, wp, m, k_size, n, begin, end, static_cast<uint16_t*>(yp), nullptr, prepacked);
+  });
+}
+
 // y [M, N] fp32, or bf16 (the products whose consumers round to bf16 anyway: the same numbers, half the bytes).
 ffi::Error AmxGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                    ffi::Result<ffi::AnyBuffer> y) {
@@ -142,15 +155,8 @@ ffi::Error AmxGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   const int64_t m = xd[0], k_size = xd[1], n = wd[1];
   if (k_size % kBlock || n % kBlock) return ffi::Error::InvalidArgument("amx_gemm: K and N must be multiples of 32");
   if (!agentgym::AmxGranted()) return ffi::Error::Internal("amx_gemm: the OS did not grant this process AMX tiles");
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  void* yp = y->untyped_data();
-  agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
-    if (out_type == ffi::F32)
-      GemmPanels(xp, wp, m, k_size, n, begin, end, static_cast<float*>(yp));
-    else
-      GemmPanels(xp, wp, m, k_size, n, begin, end, static_cast<uint16_t*>(yp));
-  });
+  GemmInto(pool, reinterpret_cast<const uint16_t*>(x.untyped_data()),
+           reinterpret_cast<const uint16_t*>(w.untyped_data()), nullptr, m, k_size, n, y);
   return ffi::Error::Success();
 }
 
@@ -165,16 +171,8 @@ ffi::Error AmxGemmPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Bu
   if (out_type != ffi::F32 && out_type != ffi::BF16)
     return ffi::Error::InvalidArgument("amx_gemm_packed: y must be fp32 or bf16");
   if (!agentgym::AmxGranted()) return ffi::Error::Internal("amx_gemm: the OS did not grant this process AMX tiles");
-  const int64_t m = xd[0], k_size = xd[1], n = yd[1];
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.untyped_data());
-  void* yp = y->untyped_data();
-  agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
-    if (out_type == ffi::F32)
-      GemmPanels(xp, nullptr, m, k_size, n, begin, end, static_cast<float*>(yp), nullptr, wp);
-    else
-      GemmPanels(xp, nullptr, m, k_size, n, begin, end, static_cast<uint16_t*>(yp), nullptr, wp);
-  });
+  GemmInto(pool, reinterpret_cast<const uint16_t*>(x.untyped_data()), nullptr,
+           reinterpret_cast<const uint16_t*>(packed.untyped_data()), xd[0], xd[1], yd[1], y);
   return ffi::Error::Success();
 }
 
