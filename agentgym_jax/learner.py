@@ -43,7 +43,7 @@ from agentgym_jax.errors import CheckpointError, ConfigError
 from agentgym_jax.learner_config import (  # noqa: F401 - re-exported: the learner's public settings
     LR_SCHEDULES, OLD_LOGP_SOURCES, LearnerConfig, learning_rate_schedule, make_optimizer,
 )
-from agentgym_jax.model import DecoderLM, abstract_model
+from agentgym_jax.model import DecoderLM, Segments, abstract_model
 from agentgym_jax.train_step import StepParts, experience_program, train_step_program
 from agentgym_jax.update_metrics import batch_stats, summarize_update
 from agentgym_jax.policy_objective import (  # noqa: F401 - re-exported for callers of the learner module
@@ -251,16 +251,22 @@ class Learner:
         largest = int((mask > 0).sum(axis=1).max(initial=0))
         positions = agent_positions(mask, max(distributed.allgather(largest, "agent-token counts")))
         parts: dict[str, list[np.ndarray]] = {}
+        packed_trunk = self._trunk is not None and self.config.pack_rows
         with sharding.use_mesh(self.mesh):
             for start in range(0, batch.num_rows, local_micro):
                 rows = slice(start, start + local_micro)
                 row_tokens = self._put(tokens[rows], False)
                 out = self._experience(self._policy, self._reference, self._critic, row_tokens,
                                        self._put(positions[rows], False))
-                if self._trunk is not None:
+                if self._trunk is not None and not packed_trunk:
                     out["trunk"] = self._trunk(self._policy, row_tokens)
                 for key, value in out.items():
                     parts.setdefault(key, []).append(distributed.local_rows(value))
+            if packed_trunk:  # each group's shared prompt through the frozen layers once, not once per member
+                parts["trunk"] = [packing.packed_per_token(
+                    tokens, mask, np.asarray(batch.group_ids), self._packed_lengths(tokens.shape[1]),
+                    local_micro * tokens.shape[1], sharding.batch_rows(self.mesh),
+                    lambda *packed: self._trunk(self._policy, *(self._put(x, False) for x in packed)))]
         experience = {k: np.concatenate(v) for k, v in parts.items()}
         on = mask > 0
         on_mask = lambda x: None if x is None else np.where(on, x, 0.0).astype(np.float32)  # noqa: E731
@@ -306,16 +312,20 @@ class Learner:
         order = np.concatenate([real, generator.permutation(padding)])
         return [np.sort(part) for part in np.split(order, num_minibatches)]
 
+    @staticmethod
+    def _packed_lengths(width: int) -> tuple[int, ...]:
+        """Packed row lengths: as long as the padded rows (one compiled shape per batch length, not one per packed
+        length), or up to twice that where a group's block would not fit (splitting it copies its prompt again)."""
+        return (width, *(b for b in LENGTH_BUCKETS if width < b <= 2 * width))
+
     def _stack(self, prepared: TrainingBatch, index: np.ndarray, group_ids: np.ndarray, minibatch: int,
                micro: int) -> tuple[TrainingBatch, int]:
         """One minibatch as device arrays with a leading micro-batch axis, and the token positions it holds."""
         if not self.config.pack_rows:
             stack = prepared.map(lambda x: self._put(x[index].reshape(minibatch // micro, micro, *x.shape[1:]), True))
             return stack, minibatch * prepared.tokens.shape[1]
-        # rows as long as the padded ones (one compiled shape per batch length, not one per packed length), or
-        # up to twice that where a group's block would not fit: splitting it would copy its prompt again
         width = prepared.tokens.shape[1]
-        lengths = (width, *(b for b in LENGTH_BUCKETS if width < b <= 2 * width))
+        lengths = self._packed_lengths(width)
         packed = packing.pack_training_batch(prepared.map(lambda x: x[index]), group_ids[index], lengths,
                                              max_block=lengths[-1])
         rows, length = packed.tokens.shape
@@ -478,9 +488,12 @@ def split_trainable(policy: nnx.State, use_lora: bool) -> tuple[nnx.State, nnx.S
     return nnx.split_state(policy, lora.LoRAParam, ...)
 
 
-def trunk_of(graphdef: Any, policy: nnx.State, tokens: Array) -> Array:
-    """The policy's hidden states after its frozen layers for ``tokens`` (:meth:`DecoderLM.trunk`)."""
-    return nnx.merge(graphdef, policy).trunk(tokens)
+def trunk_of(graphdef: Any, policy: nnx.State, tokens: Array, positions: Array | None = None,
+             blocks: Array | None = None, branches: Array | None = None) -> Array:
+    """The policy's hidden states after its frozen layers for ``tokens`` (:meth:`DecoderLM.trunk`), of packed rows
+    when given their RoPE ``positions`` and segments (``blocks``, ``branches``)."""
+    segments = None if blocks is None else Segments(blocks, branches)
+    return nnx.merge(graphdef, policy).trunk(tokens, positions, segments)
 
 
 def minibatch_from_global(mesh: Mesh | None, full: TrainingBatch, index: Array, micro: int) -> TrainingBatch:

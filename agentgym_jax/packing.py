@@ -13,7 +13,7 @@ with token-mean aggregation, at a fraction of the tokens (a group of 4 one-turn 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -169,3 +169,29 @@ def pad_rows(batch: TrainingBatch, rows: int) -> TrainingBatch:
 
     return TrainingBatch(**{f.name: None if getattr(batch, f.name) is None else pad(f.name, getattr(batch, f.name))
                             for f in dataclasses.fields(batch)})
+
+
+def packed_per_token(tokens: np.ndarray, loss_mask: np.ndarray, group_ids: np.ndarray, length_buckets: Sequence[int],
+                     positions_per_call: int, row_multiple: int, compute: Callable[..., np.ndarray]) -> np.ndarray:
+    """Per-token values [N, T, ...] computed over the trajectories packed (:func:`plan`: a group's shared prompt
+    once, each row cut after its last agent token): ``compute(tokens, rope_positions, blocks, branches)`` gets
+    [rows, L] each, about ``positions_per_call`` positions (a power of two of rows, a multiple of ``row_multiple``;
+    padding rows empty) and returns [rows, L, ...]. Read back per trajectory token: 0 past a row's last agent token
+    and in rows without agent tokens, which no token-level loss reads."""
+    layout = plan(tokens, loss_mask, group_ids, length_buckets, max_block=length_buckets[-1])
+    rows, length = layout.shape
+    budget = max(1, positions_per_call // length)
+    rows_per_call = min(1 << (budget.bit_length() - 1), 1 << (rows - 1).bit_length())
+    rows_per_call = -(-rows_per_call // row_multiple) * row_multiple
+    calls = -(-rows // rows_per_call)
+    padded = lambda x, fill: np.concatenate(  # noqa: E731
+        [x, np.full((calls * rows_per_call - rows, length), fill, x.dtype)])
+    inputs = (padded(layout.tokens, 0), padded(layout.rope_positions, 0), padded(layout.blocks, -1),
+              padded(layout.branches, 0))
+    parts = [np.asarray(compute(*(x[c * rows_per_call:(c + 1) * rows_per_call] for x in inputs)))
+             for c in range(calls)]
+    flat = np.concatenate(parts)[:rows].reshape(rows * length, *parts[0].shape[2:])
+    out = np.zeros((*layout.cells.shape, *flat.shape[1:]), flat.dtype)
+    placed = layout.cells >= 0
+    out[placed] = flat[layout.cells[placed]]
+    return out

@@ -91,6 +91,31 @@ def test_a_cached_trunk_gives_the_updates_of_the_whole_forward(model_dir, pack_r
     assert apart < 0.005 * total, (apart, total)  # measured with packed rows: 136 of 99,008 (4 with einsum attention)
 
 
+def test_packed_rows_compute_the_trunk_once_per_shared_prompt_with_the_same_values(model_dir):
+    """With pack_rows the frozen layers run over the batch packed (each group's prompt once): the trunk a loss
+    reads (every token up to a row's last agent token) equals the padded rows' up to rounding, for half the
+    positions here."""
+    from tests.test_packing import _group_batch
+
+    config = dict(trainable_layers=1, freeze_embeddings=True, minibatch_size=8, microbatch_size=4,
+                  old_logp_source="sampler", loss_aggregation="token-mean")
+    batch = _group_batch(groups=4)
+    packed, padded = _learner(model_dir, pack_rows=True, group_minibatches=True, **config), _learner(model_dir, **config)
+    computed = {"packed": 0, "padded": 0}
+    for name, learner in (("packed", packed), ("padded", padded)):
+        def counting(policy, tokens, *rest, trunk=learner._trunk, name=name):
+            computed[name] += tokens.size
+            return trunk(policy, tokens, *rest)
+        learner._trunk = counting
+    mine, theirs = packed.prepare(batch).trunk, padded.prepare(batch).trunk
+    assert computed["padded"] == 16 * 32 and computed["packed"] <= 0.5 * computed["padded"]
+    for row, on in enumerate(np.asarray(batch.loss_mask) > 0):
+        end = int(np.flatnonzero(on)[-1]) + 1
+        np.testing.assert_allclose(mine[row, :end], theirs[row, :end], atol=2e-5, rtol=1e-4, err_msg=str(row))
+        assert not mine[row, end:].any()  # past the last agent token: never read, not computed
+    assert np.abs(theirs).max() > 0.1
+
+
 def test_without_frozen_embeddings_the_trunk_is_not_cached(model_dir):
     """A trained (tied) embedding table changes the frozen layers' input after every update: no cache."""
     learner = _learner(model_dir, trainable_layers=1)
