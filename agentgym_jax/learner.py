@@ -37,7 +37,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from agentgym_jax import advantages as adv_lib
 from agentgym_jax import distributed, freezing, lora, packing, sharding
 from agentgym_jax.batch import BatchError, TrajectoryBatch
-from agentgym_jax.buckets import LENGTH_BUCKETS
 from agentgym_jax.critic import Critic, copy_tree
 from agentgym_jax.errors import CheckpointError, ConfigError
 from agentgym_jax.learner_config import (  # noqa: F401 - re-exported: the learner's public settings
@@ -58,10 +57,6 @@ Array = jax.Array
 TRAIN_STEP_NAME = "_learner_train_step"
 EXPERIENCE_NAME = "_learner_experience"
 
-
-# --------------------------------------------------------------------------------------------------------------
-# The learner
-# --------------------------------------------------------------------------------------------------------------
 
 
 class Learner:
@@ -94,11 +89,8 @@ class Learner:
                               "would be a full copy of the model. Set lora_rank=0 or another advantage_estimator")
         frozen = freezing.frozen_layer_count(model.config.num_hidden_layers, config.trainable_layers)
         train_model_config = dataclasses.replace(
-            model.config,
-            dtype=config.compute_dtype or model.config.dtype,
-            remat=model.config.remat if config.remat is None else config.remat,
-            frozen_layers=frozen,
-        )
+            model.config, dtype=config.compute_dtype or model.config.dtype, frozen_layers=frozen,
+            remat=model.config.remat if config.remat is None else config.remat)
         self._train_graphdef = nnx.split(abstract_model(train_model_config))[0]
         self._optimizer, self._schedule = make_optimizer(config, config.learning_rate, config.warmup_steps)
         if frozen or config.freeze_embeddings:
@@ -250,24 +242,12 @@ class Learner:
         tokens = batch.tokens
         largest = int((mask > 0).sum(axis=1).max(initial=0))
         positions = agent_positions(mask, max(distributed.allgather(largest, "agent-token counts")))
-        parts: dict[str, list[np.ndarray]] = {}
-        packed_trunk = self._trunk is not None and self.config.pack_rows
-        with sharding.use_mesh(self.mesh):
-            for start in range(0, batch.num_rows, local_micro):
-                rows = slice(start, start + local_micro)
-                row_tokens = self._put(tokens[rows], False)
-                out = self._experience(self._policy, self._reference, self._critic, row_tokens,
-                                       self._put(positions[rows], False))
-                if self._trunk is not None and not packed_trunk:
-                    out["trunk"] = self._trunk(self._policy, row_tokens)
-                for key, value in out.items():
-                    parts.setdefault(key, []).append(distributed.local_rows(value))
-            if packed_trunk:  # each group's shared prompt through the frozen layers once, not once per member
-                parts["trunk"] = [packing.packed_per_token(
-                    tokens, mask, np.asarray(batch.group_ids), self._packed_lengths(tokens.shape[1]),
-                    local_micro * tokens.shape[1], sharding.batch_rows(self.mesh),
-                    lambda *packed: self._trunk(self._policy, *(self._put(x, False) for x in packed)))]
-        experience = {k: np.concatenate(v) for k, v in parts.items()}
+        if self.config.pack_rows:  # single-process (checked): each group's shared prompt computed once
+            experience = packing.packed_per_token(tokens, mask, np.asarray(batch.group_ids),
+                                                  packing.row_lengths(tokens.shape[1]), local_micro * tokens.shape[1],
+                                                  sharding.batch_rows(self.mesh), self._packed_experience)
+        else:
+            experience = self._padded_experience(tokens, positions, local_micro)
         on = mask > 0
         on_mask = lambda x: None if x is None else np.where(on, x, 0.0).astype(np.float32)  # noqa: E731
         old_logp = on_mask(experience.get("old_logp", batch.old_logp))
@@ -289,6 +269,32 @@ class Learner:
                              advantages=np.asarray(advantages), returns=np.asarray(returns), scores=scores,
                              valid=batch.valid, ref_logp=ref_logp, old_values=values,
                              trunk=experience.get("trunk"))
+
+    def _padded_experience(self, tokens: np.ndarray, positions: np.ndarray, rows: int) -> dict[str, np.ndarray]:
+        """The experience pass (and the trunk) over the padded rows, ``rows`` at a time."""
+        parts: dict[str, list[np.ndarray]] = {}
+        with sharding.use_mesh(self.mesh):
+            for start in range(0, tokens.shape[0], rows):
+                row_tokens, take = self._put(tokens[start:start + rows], False), slice(start, start + rows)
+                out = self._experience(self._policy, self._reference, self._critic, row_tokens,
+                                       self._put(positions[take], False))
+                if self._trunk is not None:
+                    out["trunk"] = self._trunk(self._policy, row_tokens)
+                for key, value in out.items():
+                    parts.setdefault(key, []).append(distributed.local_rows(value))
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+    def _packed_experience(self, tokens: np.ndarray, rope_positions: np.ndarray, blocks: np.ndarray,
+                           branches: np.ndarray, positions: np.ndarray, sources: np.ndarray) -> dict[str, Array]:
+        """The experience pass (and the trunk) over packed rows (:func:`packing.packed_per_token`)."""
+        with sharding.use_mesh(self.mesh):
+            put = lambda x: self._put(x, False)  # noqa: E731
+            segments = tuple(map(put, (rope_positions, blocks, branches)))
+            out = self._experience(self._policy, self._reference, self._critic, put(tokens), put(positions),
+                                   (*segments, put(sources)))
+            if self._trunk is not None:
+                out["trunk"] = self._trunk(self._policy, put(tokens), *segments)
+        return out
 
     # ---------------------------------------------------------------------------------------- update
 
@@ -312,12 +318,6 @@ class Learner:
         order = np.concatenate([real, generator.permutation(padding)])
         return [np.sort(part) for part in np.split(order, num_minibatches)]
 
-    @staticmethod
-    def _packed_lengths(width: int) -> tuple[int, ...]:
-        """Packed row lengths: as long as the padded rows (one compiled shape per batch length, not one per packed
-        length), or up to twice that where a group's block would not fit (splitting it copies its prompt again)."""
-        return (width, *(b for b in LENGTH_BUCKETS if width < b <= 2 * width))
-
     def _stack(self, prepared: TrainingBatch, index: np.ndarray, group_ids: np.ndarray, minibatch: int,
                micro: int) -> tuple[TrainingBatch, int]:
         """One minibatch as device arrays with a leading micro-batch axis, and the token positions it holds."""
@@ -325,7 +325,7 @@ class Learner:
             stack = prepared.map(lambda x: self._put(x[index].reshape(minibatch // micro, micro, *x.shape[1:]), True))
             return stack, minibatch * prepared.tokens.shape[1]
         width = prepared.tokens.shape[1]
-        lengths = self._packed_lengths(width)
+        lengths = packing.row_lengths(width)
         packed = packing.pack_training_batch(prepared.map(lambda x: x[index]), group_ids[index], lengths,
                                              max_block=lengths[-1])
         rows, length = packed.tokens.shape

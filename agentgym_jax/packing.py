@@ -138,6 +138,13 @@ def scatter(layout: Layout, values: np.ndarray) -> np.ndarray:
     return out.reshape(*layout.shape, *values.shape[2:])
 
 
+def row_lengths(width: int) -> tuple[int, ...]:
+    """The learner's packed row lengths for a batch ``width`` tokens wide: as long as its padded rows (one compiled
+    shape per batch width, not one per packed length), or up to twice that where a group's block would not fit
+    (splitting a block copies its prompt again)."""
+    return (width, *(b for b in LENGTH_BUCKETS if width < b <= 2 * width))
+
+
 def pack_training_batch(batch: TrainingBatch, group_ids: np.ndarray,
                         length_buckets: Sequence[int] = LENGTH_BUCKETS, max_block: int | None = None
                         ) -> TrainingBatch:
@@ -172,26 +179,34 @@ def pad_rows(batch: TrainingBatch, rows: int) -> TrainingBatch:
 
 
 def packed_per_token(tokens: np.ndarray, loss_mask: np.ndarray, group_ids: np.ndarray, length_buckets: Sequence[int],
-                     positions_per_call: int, row_multiple: int, compute: Callable[..., np.ndarray]) -> np.ndarray:
+                     positions_per_call: int, row_multiple: int, compute: Callable[..., dict[str, np.ndarray]]
+                     ) -> dict[str, np.ndarray]:
     """Per-token values [N, T, ...] computed over the trajectories packed (:func:`plan`: a group's shared prompt
-    once, each row cut after its last agent token): ``compute(tokens, rope_positions, blocks, branches)`` gets
-    [rows, L] each, about ``positions_per_call`` positions (a power of two of rows, a multiple of ``row_multiple``;
-    padding rows empty) and returns [rows, L, ...]. Read back per trajectory token: 0 past a row's last agent token
-    and in rows without agent tokens, which no token-level loss reads."""
-    layout = plan(tokens, loss_mask, group_ids, length_buckets, max_block=length_buckets[-1])
+    once, each row cut after its last agent token). ``compute(tokens, rope_positions, blocks, branches, positions,
+    sources)`` gets [rows, L] arrays (the agent positions and their sources [rows, K]; about ``positions_per_call``
+    positions, a power of two of rows and a multiple of ``row_multiple``, padding rows empty) and returns named
+    [rows, L, ...] arrays, read back per trajectory token: 0 past a row's last agent token and in rows without
+    agent tokens, which no token-level loss reads."""
+    mask = np.array(loss_mask, copy=True)
+    mask[:, 0] = 0  # as pack_training_batch: nothing predicts a row's first token
+    layout = plan(tokens, mask, group_ids, length_buckets, max_block=length_buckets[-1])
     rows, length = layout.shape
+    positions = agent_positions(scatter(layout, mask))
+    sources = np.where(positions >= 0, np.take_along_axis(layout.source_cols, np.maximum(positions, 0), axis=1), -1)
     budget = max(1, positions_per_call // length)
     rows_per_call = min(1 << (budget.bit_length() - 1), 1 << (rows - 1).bit_length())
     rows_per_call = -(-rows_per_call // row_multiple) * row_multiple
     calls = -(-rows // rows_per_call)
     padded = lambda x, fill: np.concatenate(  # noqa: E731
-        [x, np.full((calls * rows_per_call - rows, length), fill, x.dtype)])
+        [x, np.full((calls * rows_per_call - rows, x.shape[1]), fill, x.dtype)])
     inputs = (padded(layout.tokens, 0), padded(layout.rope_positions, 0), padded(layout.blocks, -1),
-              padded(layout.branches, 0))
-    parts = [np.asarray(compute(*(x[c * rows_per_call:(c + 1) * rows_per_call] for x in inputs)))
-             for c in range(calls)]
-    flat = np.concatenate(parts)[:rows].reshape(rows * length, *parts[0].shape[2:])
-    out = np.zeros((*layout.cells.shape, *flat.shape[1:]), flat.dtype)
+              padded(layout.branches, 0), padded(positions.astype(np.int32), -1), padded(sources.astype(np.int32), -1))
+    parts = [compute(*(x[c * rows_per_call:(c + 1) * rows_per_call] for x in inputs)) for c in range(calls)]
     placed = layout.cells >= 0
-    out[placed] = flat[layout.cells[placed]]
+    out = {}
+    for name in parts[0]:
+        flat = np.concatenate([np.asarray(part[name]) for part in parts])[:rows]
+        flat = flat.reshape(rows * length, *flat.shape[2:])
+        out[name] = np.zeros((*layout.cells.shape, *flat.shape[1:]), flat.dtype)
+        out[name][placed] = flat[layout.cells[placed]]
     return out

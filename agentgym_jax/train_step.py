@@ -23,20 +23,25 @@ Array = jax.Array
 
 def experience_program(config: LearnerConfig, train_graphdef: Any, critic_graphdef: Any, lora_policy: bool
                        ) -> Callable[..., dict[str, Array]]:
-    """``(policy, reference, critic, tokens, positions) -> {old_logp?, ref_logp?, values?}`` for one micro-batch.
+    """``(policy, reference, critic, tokens, positions, packed?) -> {old_logp?, ref_logp?, values?}`` for one
+    micro-batch, of packed rows when given ``packed`` (their RoPE positions, segments and sources; no critic then).
 
     Under LoRA the reference is the policy with its adapters zeroed (no second copy of the weights).
     """
     uses_critic, use_reference = config.uses_critic, config.use_reference
     recompute = config.old_logp_source == "recompute"
 
-    def _learner_experience(policy: Any, reference: Any, critic: Any, tokens: Array, positions: Array
-                            ) -> dict[str, Array]:
+    def _learner_experience(policy: Any, reference: Any, critic: Any, tokens: Array, positions: Array,
+                            packed: tuple[Array, Array, Array, Array] | None = None) -> dict[str, Array]:
         out = {}
         if lora_policy:
             reference = lora.without_adapters(policy)
+        if packed is not None:  # packed rows: (RoPE positions, blocks, branches, sources); no critic reads them
+            rope_positions, blocks, branches, sources = packed
+            packed = TrainingBatch(tokens, positions, None, None, None, None, None, None, sources=sources,
+                                   rope_positions=rope_positions, blocks=blocks, branches=branches)
         logprobs = functools.partial(token_logprobs, tokens=tokens, temperature=config.temperature,
-                                     chunk_size=config.logprob_chunk_size, positions=positions)
+                                     chunk_size=config.logprob_chunk_size, positions=positions, packed=packed)
         if recompute:
             out["old_logp"] = logprobs(nnx.merge(train_graphdef, policy))[0]
         if use_reference:

@@ -121,6 +121,30 @@ def test_packed_update_equals_padded_update(model_dir, micro):
     assert packed_tokens < 0.4 * 12 * T
 
 
+def test_packed_rows_compute_the_experience_pass_once_per_shared_prompt(model_dir):
+    """With pack_rows the reference and recomputed log-probs come from the batch packed (each group's prompt
+    once): the same values as the padded rows give, up to rounding, from fewer positions."""
+    batch = _group_batch(groups=4)
+    config = dict(learning_rate=1e-3, minibatch_size=8, microbatch_size=4, use_reference=True,
+                  old_logp_source="recompute", loss_aggregation="token-mean")
+    packed = Learner(hf.load_model(model_dir), LearnerConfig(pack_rows=True, group_minibatches=True, **config))
+    padded = Learner(hf.load_model(model_dir), LearnerConfig(**config))
+    computed = {}
+    for name, learner in (("packed", packed), ("padded", padded)):
+        def counting(policy, reference, critic, tokens, *rest, run=learner._experience, name=name):
+            computed[name] = computed.get(name, 0) + tokens.size
+            return run(policy, reference, critic, tokens, *rest)
+        learner._experience = counting
+    mine, theirs = packed.prepare(batch), padded.prepare(batch)
+    assert computed["padded"] == 16 * T and computed["packed"] <= 0.5 * computed["padded"]
+    on = np.asarray(batch.loss_mask) > 0
+    for field in ("old_logp", "ref_logp"):
+        value, expected = getattr(mine, field), getattr(theirs, field)
+        assert np.abs(expected[on]).min() > 0.1 and not value[~on].any()
+        np.testing.assert_allclose(value[on], expected[on], atol=1e-5, rtol=1e-5, err_msg=field)
+    np.testing.assert_allclose(mine.advantages, theirs.advantages, atol=1e-6)
+
+
 def _packed_tokens(learner, prepared, index, group_ids) -> int:
     stack, _ = learner._stack(prepared, index, group_ids, 8, 8)
     return int((np.asarray(stack.blocks) >= 0).sum())
