@@ -329,11 +329,8 @@ class Learner:
         packed = packing.pack_training_batch(prepared.map(lambda x: x[index]), group_ids[index], lengths,
                                              max_block=lengths[-1])
         rows, length = packed.tokens.shape
-        # at most `micro` padded rows' positions per micro-batch; powers of two bound the compiled shapes
-        budget = max(1, micro * width // length)
-        per_micro = min(1 << (budget.bit_length() - 1), 1 << (rows - 1).bit_length())
-        mesh_rows = sharding.batch_rows(self.mesh)
-        per_micro = -(-per_micro // mesh_rows) * mesh_rows
+        # at most `micro` padded rows' positions per micro-batch
+        per_micro = packing.rows_per_call_for(rows, length, micro * width, sharding.batch_rows(self.mesh))
         count = 1 << (-(-rows // per_micro) - 1).bit_length()
         packed = packing.pad_rows(packed, count * per_micro)
         return packed.map(lambda x: self._put(x.reshape(count, per_micro, *x.shape[1:]), True)), rows * length

@@ -138,6 +138,30 @@ def scatter(layout: Layout, values: np.ndarray) -> np.ndarray:
     return out.reshape(*layout.shape, *values.shape[2:])
 
 
+def scorable(loss_mask: np.ndarray) -> np.ndarray:
+    """``loss_mask`` without its first column: nothing predicts a row's first token (the padded layout never scores
+    it either)."""
+    mask = np.array(loss_mask, copy=True)
+    mask[:, 0] = 0
+    return mask
+
+
+def scored_positions(layout: Layout, packed_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each packed row's agent-token columns [R, K] (:func:`agent_positions`, -1 padded) and the column of the
+    state that predicts each (-1 where none)."""
+    positions = agent_positions(packed_mask)
+    sources = np.where(positions >= 0, np.take_along_axis(layout.source_cols, np.maximum(positions, 0), axis=1), -1)
+    return positions, sources
+
+
+def rows_per_call_for(rows: int, length: int, positions: int, multiple: int) -> int:
+    """Packed rows of ``length`` per program call: about ``positions`` positions, a power of two (bounding the
+    compiled shapes) no larger than ``rows`` needs, rounded up to a multiple of ``multiple`` (the mesh's rows)."""
+    budget = max(1, positions // length)
+    per_call = min(1 << (budget.bit_length() - 1), 1 << (rows - 1).bit_length())
+    return -(-per_call // multiple) * multiple
+
+
 def row_lengths(width: int) -> tuple[int, ...]:
     """The learner's packed row lengths for a batch ``width`` tokens wide: as long as its padded rows (one compiled
     shape per batch width, not one per packed length), or up to twice that where a group's block would not fit
@@ -150,14 +174,12 @@ def pack_training_batch(batch: TrainingBatch, group_ids: np.ndarray,
                         ) -> TrainingBatch:
     """The same training inputs as packed rows (host arrays), with the sources, RoPE positions and segments the
     train step needs to score them."""
-    mask = np.array(batch.loss_mask, copy=True)
-    mask[:, 0] = 0  # nothing predicts a row's first token (the padded layout never scores it either)
+    mask = scorable(batch.loss_mask)
     batch = dataclasses.replace(batch, loss_mask=mask)
     layout = plan(batch.tokens, mask, group_ids, length_buckets, max_block)
     fields = {name: scatter(layout, getattr(batch, name)) for name in PER_TOKEN_FIELDS
               if getattr(batch, name) is not None}
-    positions = agent_positions(fields["loss_mask"])
-    sources = np.where(positions >= 0, np.take_along_axis(layout.source_cols, np.maximum(positions, 0), axis=1), -1)
+    positions, sources = scored_positions(layout, fields["loss_mask"])
     real = (layout.blocks >= 0).any(axis=1).astype(np.float32)
     return TrainingBatch(tokens=layout.tokens, positions=positions, scores=np.zeros_like(real), valid=real,
                          sources=sources.astype(np.int32), rope_positions=layout.rope_positions,
@@ -187,15 +209,11 @@ def packed_per_token(tokens: np.ndarray, loss_mask: np.ndarray, group_ids: np.nd
     positions, a power of two of rows and a multiple of ``row_multiple``, padding rows empty) and returns named
     [rows, L, ...] arrays, read back per trajectory token: 0 past a row's last agent token and in rows without
     agent tokens, which no token-level loss reads."""
-    mask = np.array(loss_mask, copy=True)
-    mask[:, 0] = 0  # as pack_training_batch: nothing predicts a row's first token
+    mask = scorable(loss_mask)
     layout = plan(tokens, mask, group_ids, length_buckets, max_block=length_buckets[-1])
     rows, length = layout.shape
-    positions = agent_positions(scatter(layout, mask))
-    sources = np.where(positions >= 0, np.take_along_axis(layout.source_cols, np.maximum(positions, 0), axis=1), -1)
-    budget = max(1, positions_per_call // length)
-    rows_per_call = min(1 << (budget.bit_length() - 1), 1 << (rows - 1).bit_length())
-    rows_per_call = -(-rows_per_call // row_multiple) * row_multiple
+    positions, sources = scored_positions(layout, scatter(layout, mask))
+    rows_per_call = rows_per_call_for(rows, length, positions_per_call, row_multiple)
     calls = -(-rows // rows_per_call)
     padded = lambda x, fill: np.concatenate(  # noqa: E731
         [x, np.full((calls * rows_per_call - rows, x.shape[1]), fill, x.dtype)])

@@ -145,9 +145,10 @@ class Sampler:
         return self._packed
 
     def _prefill_packs(self) -> dict[str, jax.Array]:
-        """The packs a prefill reads: its bf16 products of many rows take the AMX panels (native_kernels.amx_gemm);
-        no fp32 product of a prefill reads packed weights, so none are made or passed for one."""
-        return self._packed_weights(1) if jnp.dtype(self.model_config.dtype) == jnp.bfloat16 else {}
+        """The packs a prefill reads: on AMX CPUs its bf16 products of many rows take the AMX panels
+        (native_kernels.amx_gemm); no other product of a prefill reads packed weights, so none are passed there."""
+        reads = jnp.dtype(self.model_config.dtype) == jnp.bfloat16 and native_kernels.amx_available()
+        return self._packed_weights(1) if reads else {}
 
     @property
     def compilations(self) -> int:
