@@ -23,6 +23,7 @@
 
 #include "bf16_pairs.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,6 +32,7 @@
 #endif
 
 namespace ffi = xla::ffi;
+using agentgym::Prefetch;
 
 namespace {
 
@@ -51,20 +53,6 @@ inline void Store(float* y, __m512 sums) { _mm512_storeu_ps(y, sums); }
 inline void Store(uint16_t* y, __m512 sums) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), agentgym::RoundToBf16(sums));
 }
-
-// Cache lines brought into L2 while a block computes, per_step of them per step of its loop (none: count 0). A decode
-// step's product of 32 rows reads each panel's strips from memory in its first pass over 8 rows and from L2 in the
-// three others, so the first pass waited on memory; fetching the next panel during all four spreads those reads out
-// (Zen 4, batch 32 bf16: the output head 6.4 -> 5.2 ms, a decode step ~1.5 ms faster).
-struct Prefetch {
-  const char* lines = nullptr;
-  int64_t count = 0, per_step = 0;
-
-  inline void Step(int64_t step) const {
-    for (int64_t i = step * per_step, end = std::min(count, i + per_step); i < end; ++i)
-      _mm_prefetch(lines + 64 * i, _MM_HINT_T1);
-  }
-};
 
 // y[0:R, 16 S columns] (row stride n) for x's R rows (row stride k_size) against S strips of pair rows: strip s's
 // pair row kp (16 columns x 2) at w + s * strip_stride + kp * row_stride (a panel's strips share each pair row; a
@@ -233,14 +221,13 @@ void StripPanels(ffi::ThreadPool& pool, const uint16_t* x, int64_t m, int64_t k_
   agentgym::Parallel(pool, (strips + kStripsPerPanel - 1) / kStripsPerPanel, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kStripsPerPanel, count = std::min(kStripsPerPanel, strips - first);
-      // the thread's next panel (its strips follow this panel's), a share of it during each pass
-      const int64_t next_lines = p + 1 < end ? std::min(kStripsPerPanel, strips - first - count) * strip_size / 32 : 0;
+      // the thread's next panel (its strips follow this panel's), a share of it during each pass; not below 8 rows,
+      // where a product only streams its weights (batch 1 was no faster with it)
+      const int64_t next_lines =
+          p + 1 < end && m >= kRows ? std::min(kStripsPerPanel, strips - first - count) * strip_size / 32 : 0;
       for (int64_t r = 0; r < m; r += kRows) {
-        const int64_t pass = r / kRows, from = next_lines * pass / passes, to = next_lines * (pass + 1) / passes;
         const auto next = [&](const uint16_t* weights) {
-          const int64_t steps = k_size / 2;
-          return Prefetch{reinterpret_cast<const char*>(weights + (first + count) * strip_size) + 64 * from,
-                          to - from, (to - from + steps - 1) / steps};
+          return Prefetch::Share(weights + (first + count) * strip_size, next_lines, r / kRows, passes, k_size / 2);
         };
         Panel<Out, kSwiGLU>(x, m, r, k_size, w + first * strip_size, kSwiGLU ? up + first * strip_size : nullptr,
                             strip_size, 2 * kLanes, count * kLanes, y, n, first * kLanes, next(w),

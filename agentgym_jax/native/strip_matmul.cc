@@ -14,9 +14,11 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "parallel.h"
+#include "prefetch.h"
 #include "xla/ffi/api/ffi.h"
 
 #ifndef __AVX512F__
@@ -31,13 +33,14 @@ constexpr int64_t kLanes = 16, kStripsPerPanel = 3, kRowsPerPass = 8, kMaxRows =
 
 // y[0:R, 16 S columns] for x's R rows (row stride k_size) against S strips starting at `strip` (stride k_size * 16).
 template <int R, int S>
-void Block(const float* x, int64_t k_size, const float* strip, float* y, int64_t n) {
+void Block(const float* x, int64_t k_size, const float* strip, float* y, int64_t n, const agentgym::Prefetch& next) {
   __m512 acc[R][S];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 3
     for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_size; ++k) {
+    next.Step(k);
     __m512 w[S];
 #pragma GCC unroll 3
     for (int s = 0; s < S; ++s) w[s] = _mm512_loadu_ps(strip + s * k_size * kLanes + k * kLanes);
@@ -55,37 +58,43 @@ void Block(const float* x, int64_t k_size, const float* strip, float* y, int64_t
 }
 
 template <int S>
-void Rows(int64_t rows, const float* x, int64_t k_size, const float* strip, float* y, int64_t n) {
+void Rows(int64_t rows, const float* x, int64_t k_size, const float* strip, float* y, int64_t n,
+          const agentgym::Prefetch& next) {
   switch (rows) {
-    case 1: return Block<1, S>(x, k_size, strip, y, n);
-    case 2: return Block<2, S>(x, k_size, strip, y, n);
-    case 3: return Block<3, S>(x, k_size, strip, y, n);
-    case 4: return Block<4, S>(x, k_size, strip, y, n);
-    case 5: return Block<5, S>(x, k_size, strip, y, n);
-    case 6: return Block<6, S>(x, k_size, strip, y, n);
-    case 7: return Block<7, S>(x, k_size, strip, y, n);
-    default: return Block<8, S>(x, k_size, strip, y, n);
+    case 1: return Block<1, S>(x, k_size, strip, y, n, next);
+    case 2: return Block<2, S>(x, k_size, strip, y, n, next);
+    case 3: return Block<3, S>(x, k_size, strip, y, n, next);
+    case 4: return Block<4, S>(x, k_size, strip, y, n, next);
+    case 5: return Block<5, S>(x, k_size, strip, y, n, next);
+    case 6: return Block<6, S>(x, k_size, strip, y, n, next);
+    case 7: return Block<7, S>(x, k_size, strip, y, n, next);
+    default: return Block<8, S>(x, k_size, strip, y, n, next);
   }
 }
 
 // y[:, 48 p0 : 48 p1] (the last panel may hold fewer than 3 strips): each panel's strips against all of x's rows,
-// 8 rows per pass.
+// 8 rows per pass, each of several passes also bringing a share of the next panel into L2 (agentgym::Prefetch).
 void Panels(const float* x, int64_t m, int64_t k_size, const float* packed, int64_t n, int64_t p0, int64_t p1,
             float* y) {
-  const int64_t strips = n / kLanes;
+  const int64_t strips = n / kLanes, passes = (m + kRowsPerPass - 1) / kRowsPerPass;
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t first = p * kStripsPerPanel, count = strips - first < kStripsPerPanel ? strips - first : 3;
     const float* strip = packed + first * k_size * kLanes;
+    // a strip is k_size cache lines (16 floats a row); only where rows take several passes (at 8 rows and fewer the
+    // product streams its weights once, and fetching ahead was no faster)
+    const int64_t next_lines = p + 1 < p1 && passes > 1 ? std::min(kStripsPerPanel, strips - first - count) * k_size : 0;
     for (int64_t r = 0; r < m; r += kRowsPerPass) {
       const int64_t rows = m - r < kRowsPerPass ? m - r : kRowsPerPass;
       float* out = y + r * n + first * kLanes;
       const float* xr = x + r * k_size;
+      const auto next = agentgym::Prefetch::Share(strip + count * k_size * kLanes, next_lines, r / kRowsPerPass,
+                                                  passes, k_size);
       if (count == 3)
-        Rows<3>(rows, xr, k_size, strip, out, n);
+        Rows<3>(rows, xr, k_size, strip, out, n, next);
       else if (count == 2)
-        Rows<2>(rows, xr, k_size, strip, out, n);
+        Rows<2>(rows, xr, k_size, strip, out, n, next);
       else
-        Rows<1>(rows, xr, k_size, strip, out, n);
+        Rows<1>(rows, xr, k_size, strip, out, n, next);
     }
   }
 }
