@@ -223,11 +223,11 @@ void StripPanels(ffi::ThreadPool& pool, const uint16_t* x, int64_t m, int64_t k_
       const int64_t first = p * kStripsPerPanel, count = std::min(kStripsPerPanel, strips - first);
       // the thread's next panel (its strips follow this panel's), a share of it during each pass; not below 8 rows,
       // where a product only streams its weights (batch 1 was no faster with it)
-      const int64_t next_lines =
-          p + 1 < end && m >= kRows ? std::min(kStripsPerPanel, strips - first - count) * strip_size / 32 : 0;
+      const int64_t next_bytes = p + 1 < end && m >= kRows
+                                     ? std::min(kStripsPerPanel, strips - first - count) * strip_size * 2 : 0;
       for (int64_t r = 0; r < m; r += kRows) {
         const auto next = [&](const uint16_t* weights) {
-          return Prefetch::Share(weights + (first + count) * strip_size, next_lines, r / kRows, passes, k_size / 2);
+          return Prefetch::Share(weights + (first + count) * strip_size, next_bytes, r / kRows, passes, k_size / 2);
         };
         Panel<Out, kSwiGLU>(x, m, r, k_size, w + first * strip_size, kSwiGLU ? up + first * strip_size : nullptr,
                             strip_size, 2 * kLanes, count * kLanes, y, n, first * kLanes, next(w),

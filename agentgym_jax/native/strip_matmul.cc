@@ -80,14 +80,15 @@ void Panels(const float* x, int64_t m, int64_t k_size, const float* packed, int6
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t first = p * kStripsPerPanel, count = strips - first < kStripsPerPanel ? strips - first : 3;
     const float* strip = packed + first * k_size * kLanes;
-    // a strip is k_size cache lines (16 floats a row); only where rows take several passes (at 8 rows and fewer the
-    // product streams its weights once, and fetching ahead was no faster)
-    const int64_t next_lines = p + 1 < p1 && passes > 1 ? std::min(kStripsPerPanel, strips - first - count) * k_size : 0;
+    // the next panel, only where rows take several passes (at 8 rows and fewer the product streams its weights once,
+    // and fetching ahead was no faster)
+    const int64_t next_bytes =
+        p + 1 < p1 && passes > 1 ? std::min(kStripsPerPanel, strips - first - count) * k_size * kLanes * 4 : 0;
     for (int64_t r = 0; r < m; r += kRowsPerPass) {
       const int64_t rows = m - r < kRowsPerPass ? m - r : kRowsPerPass;
       float* out = y + r * n + first * kLanes;
       const float* xr = x + r * k_size;
-      const auto next = agentgym::Prefetch::Share(strip + count * k_size * kLanes, next_lines, r / kRowsPerPass,
+      const auto next = agentgym::Prefetch::Share(strip + count * k_size * kLanes, next_bytes, r / kRowsPerPass,
                                                   passes, k_size);
       if (count == 3)
         Rows<3>(rows, xr, k_size, strip, out, n, next);
