@@ -1,9 +1,10 @@
 """Rollout-loop throughput: the demo config's training step, and continuous episodes against lock-step rounds.
 
-    python -m benchmarks.rollout [--part=all|step|loops|async_env] [--steps=3] [--repeats=3]
+    python -m benchmarks.rollout [--part=all|step|loops|async_env] [--steps=11] [--repeats=3]
 
 ``step``: ``--steps`` full training steps (rollout + update) of ``configs/cpu_demo.py`` after one warm-up step
-that compiles; medians over the timed steps. ``loops``: the demo's model on BabyAI GoTo tasks with a horizon of 6
+that compiles (default: the rest of the demo's 12, so the warm-up and the timed steps are one whole demo's
+training); medians over the timed steps, and over all of them with the warm-up. ``loops``: the demo's model on BabyAI GoTo tasks with a horizon of 6
 turns, the same episodes played by continuous episodes and by lock-step rounds, interleaved, ``--repeats`` times
 each after a compiling warm-up (program builds inside a timed rollout taken out); episodes/s medians.
 ``--loop_env=babyai_strict`` (the headline keys; ``benchmarks/strict_env.py``) ends an episode at its first action
@@ -30,7 +31,8 @@ from benchmarks.common import RESULTS_DIR, cpu_facts, median, peak_rss_mib, writ
 
 _PART = flags.DEFINE_enum("part", "all", ["all", "step", "loops", "async_env"], "What to measure.")
 _STEP_SECONDS = flags.DEFINE_list("step_seconds", ["0", "0.5"], "Added seconds per env step (part async_env).")
-_STEPS = flags.DEFINE_integer("steps", 3, "Timed training steps after the warm-up step.")
+_STEPS = flags.DEFINE_integer("steps", 0, "Timed training steps after the warm-up step (part step); 0: the rest of "
+                              "the demo's steps (train.steps - 1).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rollouts per loop (part loops).")
 _ALL_ROWS = flags.DEFINE_bool("all_rows", True, "Also time lock-step rounds over all 32 rows at once (part loops).")
 _LOOP_MODEL = flags.DEFINE_string(
@@ -216,7 +218,7 @@ def measure_step() -> dict:
         try:
             warmup = trainer.fit(steps=1)[0]
             timed = []
-            for _ in range(_STEPS.value):  # one step per call, to book each step's program builds
+            for _ in range(_STEPS.value or config.train.steps - 1):  # one step per call, to book its builds
                 before = compile_stats.total_build_seconds()
                 timed += trainer.fit(steps=1)
                 compile_s.append(compile_stats.total_build_seconds() - before)
@@ -239,13 +241,17 @@ def measure_step() -> dict:
         "time_split_s": split,
         "time_split_share": {part: seconds / middle["time/step_s"] for part, seconds in split.items()},
         "step_s": med["time/step_s"],  # with whatever programs the step built
+        "step_s_each": [m["time/step_s"] for m in timed],
+        # the demo's own median when the warm-up and the timed steps make its whole run (the default --steps)
+        "step_s_with_warmup": median([warmup["time/step_s"]] + [m["time/step_s"] for m in timed]),
         "warmup_step_s": warmup["time/step_s"],
         # new shapes (batch, prompt and window buckets, packed update sizes) still compile in the first steps;
         # a program build is its trace, lowering and XLA compile
         "program_build_s_per_step": compile_s,
         "step_s_without_program_builds": median([m["time/step_s"] - c for m, c in zip(timed, compile_s)]),
         "timed_steps": len(timed),
-        "statistic": "median over timed steps after one compiling warm-up step; time_split_s is the median step's",
+        "statistic": "median over timed steps after one compiling warm-up step (step_s_with_warmup: over all "
+                     "steps); time_split_s is the median step's",
     }
 
 
