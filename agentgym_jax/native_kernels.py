@@ -266,8 +266,9 @@ def amx_matmul_packed(x: jax.Array, packed: jax.Array) -> jax.Array:
 def strip_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
     """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
     :func:`strip_matmul` in a program traced now: at most :data:`STRIP_MAX_ROWS` rows in fp32 (:data:`AMX_MAX_ROWS`
-    in bf16), an output count that is a multiple of :data:`STRIP_LANES`, inside :func:`packed_projections`, native
-    kernels enabled (:func:`enabled`);
+    in bf16), an output count that is a multiple of :data:`STRIP_LANES`, inside :func:`packed_projections` or with
+    w's strips given by the sampler (a prefill piece of few positions: :func:`agentgym_jax.prepacked.given`),
+    native kernels enabled (:func:`enabled`);
     fp32 operands on a CPU with AVX-512 (:func:`avx512_available`), or bf16 ones with an even K on a CPU with
     AVX512-BF16 and no AMX (where :func:`amx_matmul_packed` takes them)."""
     rows = int(np.prod(x.shape[:-1]))
@@ -275,10 +276,16 @@ def strip_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
     max_rows = STRIP_MAX_ROWS if x.dtype == jnp.float32 else AMX_MAX_ROWS
     if x.dtype != w.dtype or w.ndim != 2 or not 1 <= rows <= max_rows or outputs % STRIP_LANES:
         return False
+    strips = packing_projections() or prepacked.given(_strips_kind(transposed), (w,)) is not None
     if x.dtype == jnp.bfloat16:
-        return (x.shape[-1] % 2 == 0 and packing_projections() and enabled() and avx512_bf16_available()
+        return (x.shape[-1] % 2 == 0 and strips and enabled() and avx512_bf16_available()
                 and not amx_available())
-    return x.dtype == jnp.float32 and packing_projections() and enabled() and avx512_available()
+    return x.dtype == jnp.float32 and strips and enabled() and avx512_available()
+
+
+def _strips_kind(transposed: bool) -> str:
+    """The key under which :func:`pack_strips` records (or finds) w's strips (:mod:`agentgym_jax.prepacked`)."""
+    return "strips_transposed" if transposed else "strips"
 
 
 def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
@@ -291,8 +298,7 @@ def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
     register(kernel)
     shape = (n // STRIP_LANES, k // 2, STRIP_LANES, 2) if bf16 else (n // STRIP_LANES, k, STRIP_LANES)
     call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct(shape, w.dtype))
-    kind = "strips_transposed" if transposed else "strips"
-    return prepacked.packed(kind, (w,), lambda: call(w, transposed=transposed))
+    return prepacked.packed(_strips_kind(transposed), (w,), lambda: call(w, transposed=transposed))
 
 
 def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:

@@ -145,10 +145,11 @@ class Sampler:
         return self._packed
 
     def _prefill_packs(self) -> dict[str, jax.Array]:
-        """The packs a prefill reads: on AMX CPUs its bf16 products of many rows take the AMX panels
-        (native_kernels.amx_gemm); no other product of a prefill reads packed weights, so none are passed there."""
-        reads = jnp.dtype(self.model_config.dtype) == jnp.bfloat16 and native_kernels.amx_available()
-        return self._packed_weights(1) if reads else {}
+        """The decode loop's packs, which a prefill reads too: on AMX CPUs its bf16 products of many rows take the
+        AMX panels (native_kernels.amx_gemm), and its products of few positions (a piece of at most
+        native_kernels.packed_max_rows rows x tokens) take the strips that the decode loop's fp32 products (and
+        bf16 ones on CPUs with AVX512-BF16 and no AMX) read, at 1.2-2.5x the rate of XLA's dots there."""
+        return self._packed_weights(1)
 
     @property
     def compilations(self) -> int:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentgym_jax import hf, native_kernels, sampling
+from agentgym_jax import hf, native_kernels, prefill, sampling
 from agentgym_jax.mixed_matmul import mixed_dot
 from agentgym_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from tests.test_native_kernels import _use_native_kernels
@@ -159,3 +159,29 @@ def test_bf16_sampling_on_strips_gives_xlas_tokens_and_logprobs(tmp_path_factory
     assert outputs[0].tokens == outputs[1].tokens and len(outputs[0].tokens[0]) == 8
     for a, b in zip(outputs[0].logprobs, outputs[1].logprobs):  # bf16 projections: sums in another order, rounded
         np.testing.assert_allclose(a, b, atol=2e-2)
+
+
+def test_a_prefill_piece_of_few_positions_reads_the_decode_loops_strips(tmp_path_factory, monkeypatch):
+    _use_native_kernels(monkeypatch, "1")
+    _, _, model_dir = _pair("llama-gqa-tied", tmp_path_factory)
+    model = hf.load_model(model_dir)
+    program, compiled = prefill.prefill_program, []
+    monkeypatch.setattr(prefill, "prefill_program", lambda *a, **k: compiled.append(
+        program.lower(*a, **k).compile().as_text()) or program(*a, **k))
+    rs = np.random.RandomState(0)
+    few = [rs.randint(3, 200, n).tolist() for n in (20, 25)]  # 2 rows x 32 positions
+    many = [rs.randint(3, 200, 128).tolist() for _ in range(3)]  # 4 rows x 128 positions: XLA's dots
+    caches, samplers = [], []
+    for strips in (True, False):
+        applies = native_kernels.strip_matmul_applies
+        monkeypatch.setattr(native_kernels, "strip_matmul_applies", lambda *a, on=strips: on and applies(*a))
+        jax.clear_caches()
+        sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_chunk=0, prefill_call_cost=0))
+        samplers.append(sampler)
+        caches.append(sampler.prefill(sampler.new_state(2), few).cache)
+        sampler.prefill(sampler.new_state(4), many)
+    # the sampler's strips (packed once per parameter update) are an argument: the piece packs none itself
+    assert PRODUCT in compiled[0] and PACK not in compiled[0] and len(samplers[0]._packed) == 2 * 7 + 1
+    assert PRODUCT not in compiled[1] and PRODUCT not in compiled[2] + compiled[3]
+    for ours, xlas in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(xlas), atol=1e-5)
