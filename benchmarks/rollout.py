@@ -4,8 +4,9 @@
 
 ``step``: ``--steps`` full training steps (rollout + update) of ``configs/cpu_demo.py`` after one warm-up step
 that compiles (default: the rest of the demo's 12, so the warm-up and the timed steps are one whole demo's
-training); medians over the timed steps, and over all of them with the warm-up. ``loops``: the demo's model on BabyAI GoTo tasks with a horizon of 6
-turns, the same episodes played by continuous episodes and by lock-step rounds, interleaved, ``--repeats`` times
+training); medians over the timed steps, and over all of them with the warm-up. ``loops``: the demo's model on
+BabyAI GoTo tasks with a horizon of 6 turns, the same episodes played by continuous episodes and by lock-step
+rounds, interleaved, ``--repeats`` times
 each after a compiling warm-up (program builds inside a timed rollout taken out); episodes/s medians.
 ``--loop_env=babyai_strict`` (the headline keys; ``benchmarks/strict_env.py``) ends an episode at its first action
 BabyAI does not understand, so episodes end at turns the policy's samples decide; ``--loop_env=babyai`` (keys
