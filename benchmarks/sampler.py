@@ -9,7 +9,7 @@ multi-turn rollout with KV-cache extend vs re-prefilling the history each turn; 
 torch take on this CPU; peak RSS. Ours and torch are timed interleaved (the machine
 is shared), medians of the repeats. Writes ``benchmarks/results/sampler.json``.
 
-Usage: python -m benchmarks.sampler [--repeats=3] [--repeats_b32=2] [--multiturn_batch=4]
+Usage: python -m benchmarks.sampler [--repeats=3] [--repeats_b32=3] [--multiturn_batch=4]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from agentgym_jax.sampling import PROGRAM_NAME, Sampler, SamplerConfig, Sampling
 from benchmarks import common
 
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per case at batch 1 and 8 (after a warm-up run).")
-_REPEATS_B32 = flags.DEFINE_integer("repeats_b32", 2, "Timed runs per case at batch 32.")
+_REPEATS_B32 = flags.DEFINE_integer("repeats_b32", 3, "Timed runs per case at batch 32.")
 _MULTITURN_BATCH = flags.DEFINE_integer("multiturn_batch", 4, "Episodes in the multi-turn case.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
 
