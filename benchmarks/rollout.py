@@ -6,8 +6,8 @@
 that compiles (default: the rest of the demo's 12, so the warm-up and the timed steps are one whole demo's
 training); medians over the timed steps, and over all of them with the warm-up. ``loops``: the demo's model on
 BabyAI GoTo tasks with a horizon of 6 turns, the same episodes played by continuous episodes and by lock-step
-rounds, interleaved, ``--repeats`` times
-each after a compiling warm-up (program builds inside a timed rollout taken out); episodes/s medians.
+rounds, interleaved, ``--repeats`` times each after a compiling warm-up (program builds inside a timed rollout
+taken out); episodes/s medians.
 ``--loop_env=babyai_strict`` (the headline keys; ``benchmarks/strict_env.py``) ends an episode at its first action
 BabyAI does not understand, so episodes end at turns the policy's samples decide; ``--loop_env=babyai`` (keys
 ``*_babyai``) plays plain BabyAI, where an untrained policy takes nearly every episode to the horizon;
@@ -225,6 +225,7 @@ def measure_step() -> dict:
                 compile_s.append(compile_stats.total_build_seconds() - before)
         finally:
             trainer.close()
+    each = [m["time/step_s"] for m in timed]
     keys = ("time/step_s", "time/sampling_s", "time/env_s", "time/train_s", "time/rollout_host_s")
     med = {k: median([m[k] for m in timed]) for k in keys}
     env_steps = median([m["rollout/turns"] * episodes_per_step for m in timed])
@@ -242,14 +243,14 @@ def measure_step() -> dict:
         "time_split_s": split,
         "time_split_share": {part: seconds / middle["time/step_s"] for part, seconds in split.items()},
         "step_s": med["time/step_s"],  # with whatever programs the step built
-        "step_s_each": [m["time/step_s"] for m in timed],
+        "step_s_each": each,
         # the demo's own median when the warm-up and the timed steps make its whole run (the default --steps)
-        "step_s_with_warmup": median([warmup["time/step_s"]] + [m["time/step_s"] for m in timed]),
+        "step_s_with_warmup": median([warmup["time/step_s"], *each]),
         "warmup_step_s": warmup["time/step_s"],
         # new shapes (batch, prompt and window buckets, packed update sizes) still compile in the first steps;
         # a program build is its trace, lowering and XLA compile
         "program_build_s_per_step": compile_s,
-        "step_s_without_program_builds": median([m["time/step_s"] - c for m, c in zip(timed, compile_s)]),
+        "step_s_without_program_builds": median([step - c for step, c in zip(each, compile_s)]),
         "timed_steps": len(timed),
         "statistic": "median over timed steps after one compiling warm-up step (step_s_with_warmup: over all "
                      "steps); time_split_s is the median step's",

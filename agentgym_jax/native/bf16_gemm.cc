@@ -223,8 +223,8 @@ void StripPanels(ffi::ThreadPool& pool, const uint16_t* x, int64_t m, int64_t k_
       const int64_t first = p * kStripsPerPanel, count = std::min(kStripsPerPanel, strips - first);
       // the thread's next panel (its strips follow this panel's), a share of it during each pass; not below 8 rows,
       // where a product only streams its weights (batch 1 was no faster with it)
-      const int64_t next_bytes = p + 1 < end && m >= kRows
-                                     ? std::min(kStripsPerPanel, strips - first - count) * strip_size * 2 : 0;
+      const int64_t next_strips = p + 1 < end && m >= kRows ? std::min(kStripsPerPanel, strips - first - count) : 0;
+      const int64_t next_bytes = next_strips * strip_size * int64_t{sizeof(uint16_t)};
       for (int64_t r = 0; r < m; r += kRows) {
         const auto next = [&](const uint16_t* weights) {
           return Prefetch::Share(weights + (first + count) * strip_size, next_bytes, r / kRows, passes, k_size / 2);

@@ -82,8 +82,8 @@ void Panels(const float* x, int64_t m, int64_t k_size, const float* packed, int6
     const float* strip = packed + first * k_size * kLanes;
     // the next panel, only where rows take several passes (at 8 rows and fewer the product streams its weights once,
     // and fetching ahead was no faster)
-    const int64_t next_bytes =
-        p + 1 < p1 && passes > 1 ? std::min(kStripsPerPanel, strips - first - count) * k_size * kLanes * 4 : 0;
+    const int64_t next_strips = p + 1 < p1 && passes > 1 ? std::min(kStripsPerPanel, strips - first - count) : 0;
+    const int64_t next_bytes = next_strips * k_size * kLanes * int64_t{sizeof(float)};
     for (int64_t r = 0; r < m; r += kRowsPerPass) {
       const int64_t rows = m - r < kRowsPerPass ? m - r : kRowsPerPass;
       float* out = y + r * n + first * kLanes;
