@@ -51,12 +51,16 @@ inline void ReorderBlock(const uint16_t* rows, int64_t n, const agentgym::PairIn
   }
 }
 
+struct NoOp {
+  void operator()() const {}
+};
+
 // y[:, 32 p0 : 32 p1] for x [M, K] and w packed by panels: packed[p][kb] holds w[32 kb : 32 kb + 32, 32 p : 32 p + 32]
 // as two 16-column halves in the tiles' pair layout ([2][16][16][2], 2 KB), so each panel reads one contiguous
-// stream and keeps its output in tiles across all of K.
-template <bool kTwoGroups>
+// stream and keeps its output in tiles across all of K. between() runs after each k block's tile products.
+template <bool kTwoGroups, typename Between = NoOp>
 inline void PackedPanels(const uint16_t* x, const uint16_t* packed, int64_t k_size, int64_t n, int64_t p0, int64_t p1,
-                  float* y) {
+                         float* y, const Between& between = Between()) {
   const int64_t k_blocks = k_size / kBlock;
   const uint16_t* x1 = x + kTileRows * k_size;
   float* y1 = y + kTileRows * n;
@@ -79,6 +83,7 @@ inline void PackedPanels(const uint16_t* x, const uint16_t* packed, int64_t k_si
         _tile_dpbf16ps(5, 7, 3);
         _tile_dpbf16ps(6, 7, 4);
       }
+      between();
     }
     _tile_stored(0, y + p * kBlock, n * 4);
     _tile_stored(1, y + p * kBlock + 16, n * 4);

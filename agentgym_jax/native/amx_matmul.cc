@@ -233,16 +233,27 @@ ffi::Error AmxSwiGLUPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::
   auto* yp = reinterpret_cast<uint16_t*>(y->untyped_data());
   agentgym::Parallel(pool, n / kBlock, [&](int64_t begin, int64_t end) {
     ConfigureTiles(m, false);
-    alignas(64) float both[kMaxRows * 2 * kBlock];  // a row's gate outputs, then its up outputs
+    // Two output panels' products, a row's gate outputs then its up outputs: one filled by the tiles while the
+    // other's SwiGLU is stored a row per k block, the vector work beside the tiles' as in native/amx_gemm.cc.
+    alignas(64) float both[2][kMaxRows * 2 * kBlock];
+    int64_t pending = -1, done = 0;  // the panel whose rows are being stored, and how many are
+    const auto store_row = [&] {
+      if (pending < 0 || done >= m) return;
+      const float* row = both[pending % 2] + done * 2 * kBlock;
+      StoreSwiGLU(row, row + kBlock, 1, 2 * kBlock, yp + done * n + pending * kBlock, n);
+      ++done;
+    };
     for (int64_t j = begin; j < end; ++j) {
       const uint16_t* pair = wp + 2 * j * k_blocks * 1024;
       if (m > kTileRows)
-        PackedPanels<true>(xp, pair, k_size, 2 * kBlock, 0, 2, both);
+        PackedPanels<true>(xp, pair, k_size, 2 * kBlock, 0, 2, both[j % 2], store_row);
       else
-        PackedPanels<false>(xp, pair, k_size, 2 * kBlock, 0, 2, both);
-      asm volatile("" ::: "memory");  // the reads below see the tile stores
-      StoreSwiGLU(both, both + kBlock, m, 2 * kBlock, yp + j * kBlock, n);
+        PackedPanels<false>(xp, pair, k_size, 2 * kBlock, 0, 2, both[j % 2], store_row);
+      asm volatile("" ::: "memory");  // the reads of the rows see the tile stores
+      while (done < m && pending >= 0) store_row();
+      pending = j, done = 0;
     }
+    while (done < m && pending >= 0) store_row();
     _tile_release();
   });
   return ffi::Error::Success();
