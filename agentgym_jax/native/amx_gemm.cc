@@ -75,27 +75,29 @@ void StoreRows(const float* block, int64_t rows, uint16_t* y, int64_t n) {
                           agentgym::RoundToBf16(_mm512_loadu_ps(block + r * kBlock + c)));
 }
 
-// An output block's last step, done a row at a time between the tile products of the next block: the vector work
-// (SwiGLU, or the rounding to bf16) then runs beside the tiles'. Run after the products, SwiGLU's took as long as
-// them (a prefill's [6400, 576] x [576, 2 x 1536], harness on a 2-core Xeon: 12.3 -> 8.6 ms interleaved).
+// An output block's products and its last step (SwiGLU, or the rounding to bf16), written out a row at a time
+// between the tile products of the next block (PendingRows; a prefill's [6400, 576] x [576, 2 x 1536] SwiGLU,
+// harness on a 2-core Xeon: 12.3 -> 8.6 ms).
 template <typename Out, bool kSwiGLU>
 struct Epilogue {
   alignas(64) float gate[kMaxRows * kBlock];  // the block's products (the gate's, for SwiGLU)
   alignas(64) float up[kSwiGLU ? kMaxRows * kBlock : 1];
   Out* y = nullptr;
-  int64_t y_stride = 0, rows = 0, done = 0;
+  int64_t y_stride = 0;
+  PendingRows pending;
 
-  void Start(Out* to, int64_t stride, int64_t count) { y = to, y_stride = stride, rows = count, done = 0; }
-  void Step() {
-    if (done >= rows) return;
+  void Start(Out* to, int64_t stride, int64_t count) { y = to, y_stride = stride, pending.Start(count); }
+  void WriteRow(int64_t r) {
     if constexpr (kSwiGLU)
-      StoreSwiGLU(gate + done * kBlock, up + done * kBlock, 1, kBlock, y + done * y_stride, y_stride);
+      StoreSwiGLU(gate + r * kBlock, up + r * kBlock, 1, kBlock, y + r * y_stride, y_stride);
     else
-      StoreRows(gate + done * kBlock, 1, y + done * y_stride, y_stride);
-    ++done;
+      StoreRows(gate + r * kBlock, 1, y + r * y_stride, y_stride);
+  }
+  void Step() {
+    pending.Take(1, [this](int64_t r) { WriteRow(r); });
   }
   void Finish() {
-    while (done < rows) Step();
+    pending.Finish([this](int64_t r) { WriteRow(r); });
   }
 };
 

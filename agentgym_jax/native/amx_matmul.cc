@@ -101,13 +101,12 @@ void RowsOfTransposed(const uint16_t* pairs, const uint16_t* w, int64_t m, int64
   // y^T for 16 of w's rows x 16 of x's rows: (w block, group) 00, 10, 01, 11; two blocks' worth, in turn
   alignas(64) float blocks[2][4][16 * 16];
   const int64_t k_blocks = k_size / kBlock, rows_per_step = (m + k_blocks - 1) / k_blocks;
-  int64_t pending = -1, done = 0;  // the block (its first row of w) whose outputs are being copied, rows done
-  const auto copy_rows = [&](int64_t count) {
-    for (const int64_t stop = std::min(m, done + count); pending >= 0 && done < stop; ++done) {
-      const float* lane = blocks[(pending / kBlock) % 2][2 * (done / kTileRows)] + done % kTileRows;
-      float* out = y + done * n + pending;
-      for (int i = 0; i < 32; ++i) out[i] = lane[(i / 16) * 256 + (i % 16) * 16];
-    }
+  PendingRows pending;  // x's rows of the last block's outputs (its first row of w: `last`) still to copy
+  int64_t last = 0;
+  const auto copy_row = [&](int64_t j) {
+    const float* lane = blocks[(last / kBlock) % 2][2 * (j / kTileRows)] + j % kTileRows;
+    float* out = y + j * n + last;
+    for (int i = 0; i < 32; ++i) out[i] = lane[(i / 16) * 256 + (i % 16) * 16];
   };
   for (int64_t r = r0; r < r1; r += kBlock) {
     _tile_zero(0);
@@ -128,9 +127,9 @@ void RowsOfTransposed(const uint16_t* pairs, const uint16_t* w, int64_t m, int64
         _tile_dpbf16ps(5, 2, 7);
         _tile_dpbf16ps(6, 3, 7);
       }
-      copy_rows(rows_per_step);
+      pending.Take(rows_per_step, copy_row);
     }
-    copy_rows(m);
+    pending.Finish(copy_row);
     float (*block)[16 * 16] = blocks[(r / kBlock) % 2];
     _tile_stored(0, block[0], 64);
     _tile_stored(1, block[1], 64);
@@ -139,9 +138,10 @@ void RowsOfTransposed(const uint16_t* pairs, const uint16_t* w, int64_t m, int64
       _tile_stored(6, block[3], 64);
     }
     asm volatile("" ::: "memory");  // the copies read the tile stores
-    pending = r, done = 0;
+    last = r;
+    pending.Start(m);
   }
-  copy_rows(m);
+  pending.Finish(copy_row);
 }
 
 ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, bool transposed,
@@ -249,24 +249,25 @@ ffi::Error AmxSwiGLUPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::
     // Two output panels' products, a row's gate outputs then its up outputs: one filled by the tiles while the
     // other's SwiGLU is stored a row per k block, the vector work beside the tiles' as in native/amx_gemm.cc.
     alignas(64) float both[2][kMaxRows * 2 * kBlock];
-    int64_t pending = -1, done = 0;  // the panel whose rows are being stored, and how many are
-    const auto store_row = [&] {
-      if (pending < 0 || done >= m) return;
-      const float* row = both[pending % 2] + done * 2 * kBlock;
-      StoreSwiGLU(row, row + kBlock, 1, 2 * kBlock, yp + done * n + pending * kBlock, n);
-      ++done;
+    PendingRows pending;  // rows of the last output panel (`last`) still to store
+    int64_t last = 0;
+    const auto store_row = [&](int64_t r) {
+      const float* row = both[last % 2] + r * 2 * kBlock;
+      StoreSwiGLU(row, row + kBlock, 1, 2 * kBlock, yp + r * n + last * kBlock, n);
     };
+    const auto step = [&] { pending.Take(1, store_row); };
     for (int64_t j = begin; j < end; ++j) {
       const uint16_t* pair = wp + 2 * j * k_blocks * 1024;
       if (m > kTileRows)
-        PackedPanels<true>(xp, pair, k_size, 2 * kBlock, 0, 2, both[j % 2], store_row);
+        PackedPanels<true>(xp, pair, k_size, 2 * kBlock, 0, 2, both[j % 2], step);
       else
-        PackedPanels<false>(xp, pair, k_size, 2 * kBlock, 0, 2, both[j % 2], store_row);
+        PackedPanels<false>(xp, pair, k_size, 2 * kBlock, 0, 2, both[j % 2], step);
       asm volatile("" ::: "memory");  // the reads of the rows see the tile stores
-      while (done < m && pending >= 0) store_row();
-      pending = j, done = 0;
+      pending.Finish(store_row);
+      last = j;
+      pending.Start(m);
     }
-    while (done < m && pending >= 0) store_row();
+    pending.Finish(store_row);
     _tile_release();
   });
   return ffi::Error::Success();
