@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -46,16 +47,14 @@ struct Dims {
   }
 };
 
-// One past the last key that any of queries [s0, s1) of row b may attend to (0: none).
+// One past the last key that any of queries [s0, s1) of row b may attend to (0: none). Each query's row of the
+// mask is searched past the end found so far with memrchr (vectorized in glibc): a byte-at-a-time backward scan was
+// a fifth of this kernel's time in a batch-32 prefill.
 int64_t KeyEnd(const bool* allowed, const Dims& d, int64_t b, int64_t s0, int64_t s1) {
   int64_t end = 0;
-  for (int64_t s = s0; s < s1; ++s) {
+  for (int64_t s = s0; s < s1 && end < d.keys; ++s) {
     const bool* row = allowed + (b * d.queries + s) * d.keys;
-    for (int64_t t = d.keys - 1; t >= end; --t)
-      if (row[t]) {
-        end = t + 1;
-        break;
-      }
+    if (const void* hit = memrchr(row + end, 1, d.keys - end)) end = static_cast<const bool*>(hit) - row + 1;
   }
   return end;
 }
