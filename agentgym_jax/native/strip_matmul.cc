@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "parallel.h"
 #include "prefetch.h"
@@ -31,7 +32,8 @@ namespace {
 
 constexpr int64_t kLanes = 16, kStripsPerPanel = 3, kRowsPerPass = 8, kMaxRows = 256;
 
-// y[0:R, 16 S columns] for x's R rows (row stride k_size) against S strips starting at `strip` (stride k_size * 16).
+// y[0:R, 16 S columns] for x's R rows (one pass of InterleaveRows' layout: x[k * kRowsPerPass + r]) against S strips
+// starting at `strip` (stride k_size * 16).
 template <int R, int S>
 void Block(const float* x, int64_t k_size, const float* strip, float* y, int64_t n, const agentgym::Prefetch& next) {
   __m512 acc[R][S];
@@ -46,7 +48,7 @@ void Block(const float* x, int64_t k_size, const float* strip, float* y, int64_t
     for (int s = 0; s < S; ++s) w[s] = _mm512_loadu_ps(strip + s * k_size * kLanes + k * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * k_size + k]);
+      const __m512 xr = _mm512_set1_ps(x[k * kRowsPerPass + r]);
 #pragma GCC unroll 3
       for (int s = 0; s < S; ++s) acc[r][s] = _mm512_fmadd_ps(xr, w[s], acc[r][s]);
     }
@@ -72,8 +74,19 @@ void Rows(int64_t rows, const float* x, int64_t k_size, const float* strip, floa
   }
 }
 
-// y[:, 48 p0 : 48 p1] (the last panel may hold fewer than 3 strips): each panel's strips against all of x's rows,
-// 8 rows per pass, each of several passes also bringing a share of the next panel into L2 (agentgym::Prefetch).
+// x [M, K] as its passes of 8 rows, each [K][8] (row r's x[r, k] at k 8 + r; zeros past M): a pass's broadcasts read
+// one stream at fixed offsets, where eight row pointers and the prefetch's state had spilled the loop's registers.
+std::vector<float> InterleaveRows(const float* x, int64_t m, int64_t k_size) {
+  std::vector<float> out((m + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass * k_size, 0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    float* pass = out.data() + r / kRowsPerPass * k_size * kRowsPerPass + r % kRowsPerPass;
+    for (int64_t k = 0; k < k_size; ++k) pass[k * kRowsPerPass] = x[r * k_size + k];
+  }
+  return out;
+}
+
+// y[:, 48 p0 : 48 p1] (the last panel may hold fewer than 3 strips): each panel's strips against all of x's rows
+// (interleaved: InterleaveRows), 8 rows per pass, each of several passes also bringing a share of the next panel into L2 (agentgym::Prefetch).
 void Panels(const float* x, int64_t m, int64_t k_size, const float* packed, int64_t n, int64_t p0, int64_t p1,
             float* y) {
   const int64_t strips = n / kLanes, passes = (m + kRowsPerPass - 1) / kRowsPerPass;
@@ -87,7 +100,7 @@ void Panels(const float* x, int64_t m, int64_t k_size, const float* packed, int6
     for (int64_t r = 0; r < m; r += kRowsPerPass) {
       const int64_t rows = m - r < kRowsPerPass ? m - r : kRowsPerPass;
       float* out = y + r * n + first * kLanes;
-      const float* xr = x + r * k_size;
+      const float* xr = x + r * k_size;  // pass r / 8 of the interleaved rows
       const auto next = agentgym::Prefetch::Share(strip + count * k_size * kLanes, next_bytes, r / kRowsPerPass,
                                                   passes, k_size);
       if (count == 3)
@@ -109,7 +122,8 @@ ffi::Error StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t m = xd[0], k_size = xd[1], n = yd[1];
   if (m < 1 || m > kMaxRows) return ffi::Error::InvalidArgument("strip_matmul: needs 1 <= M <= 256");
   const int64_t panels = (n / kLanes + kStripsPerPanel - 1) / kStripsPerPanel;
-  const float* xp = x.typed_data();
+  const std::vector<float> rows = InterleaveRows(x.typed_data(), m, k_size);
+  const float* xp = rows.data();
   const float* wp = packed.typed_data();
   float* yp = y->typed_data();
   agentgym::Parallel(pool, panels, [&](int64_t begin, int64_t end) { Panels(xp, m, k_size, wp, n, begin, end, yp); });
