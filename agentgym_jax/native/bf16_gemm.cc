@@ -55,7 +55,7 @@ inline void Store(uint16_t* y, __m512 sums) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), agentgym::RoundToBf16(sums));
 }
 
-// y[0:R, 16 S columns] (row stride n) for x's R rows (row stride k_size; kInterleaved: x's pairs [K/2][kRows], see
+// y[0:R, 16 S columns] (row stride n) for x's R rows (row stride k_size; kInterleaved: their pairs [K/2][R], see
 // InterleaveRows) against S strips of pair rows: strip s's pair row kp (16 columns x 2) at w + s * strip_stride + kp *
 // row_stride (a panel's strips share each pair row; a decode step's packed strips are each one stream).
 template <int R, int S, typename Out, bool kPrefetch, bool kInterleaved>
@@ -73,7 +73,7 @@ void Block(const uint16_t* x, int64_t k_size, const uint16_t* w, int64_t strip_s
     for (int s = 0; s < S; ++s) pairs[s] = agentgym::LoadPairs(w + s * strip_stride + kp * row_stride);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512bh xr = agentgym::BroadcastPair(kInterleaved ? x + 2 * (kp * kRows + r) : x + r * k_size + 2 * kp);
+      const __m512bh xr = agentgym::BroadcastPair(kInterleaved ? x + 2 * (kp * R + r) : x + r * k_size + 2 * kp);
 #pragma GCC unroll 3
       for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], xr, pairs[s]);
     }
@@ -136,7 +136,7 @@ void Panel(const uint16_t* x, int64_t m, int64_t r, int64_t k_size, const uint16
            int64_t strip_stride, int64_t row_stride, int64_t width, Out* y, int64_t n, int64_t col,
            const Prefetch& w_next = {}, const Prefetch& up_next = {}) {
   const int64_t rows = std::min(kRows, m - r);
-  const uint16_t* xr = x + r * k_size;  // the same offset in both layouts: a pass's 8 rows are K x 8 numbers
+  const uint16_t* xr = x + r * k_size;  // the same offset in both layouts: a pass's rows hold K numbers each
   if constexpr (kSwiGLU) {
     alignas(64) float gate_block[kRows * kPanelWidth], up_block[kRows * kPanelWidth];
     Strips<kInterleaved>(width / kLanes, rows, xr, k_size, w, strip_stride, row_stride, gate_block, kPanelWidth,
@@ -215,16 +215,17 @@ const char* StripShapesError(ffi::Span<const int64_t> xd, ffi::Span<const int64_
   return "";
 }
 
-// x [M, K] as its passes of kRows rows, each [K/2][kRows] pairs (the pair of row r at k 2kp, 2kp + 1 in word kp kRows +
-// r; zeros past M): a pass's broadcasts then read one stream at fixed offsets, where eight row pointers and the
-// prefetch's state had spilled the loop's registers (a batch-32 decode step's products ran at ~80% of the dot-product
-// peak against the prefill's 92-97%).
+// x [M, K] as its passes of kRows rows (the last may hold fewer, R), each [K/2][R] pairs (the pair of row r at k 2kp,
+// 2kp + 1 in word kp R + r of its pass): a pass's broadcasts then read one stream at fixed offsets, where eight row
+// pointers and the prefetch's state had spilled the loop's registers (a batch-32 decode step's products ran at ~80% of
+// the dot-product peak against the prefill's 92-97%). One row is x itself.
 std::vector<uint32_t> InterleaveRows(const uint16_t* x, int64_t m, int64_t k_size) {
-  const int64_t pairs = k_size / 2, passes = (m + kRows - 1) / kRows;
-  std::vector<uint32_t> out(passes * pairs * kRows, 0);
+  const int64_t pairs = k_size / 2;
+  std::vector<uint32_t> out(m * pairs);
   for (int64_t r = 0; r < m; ++r) {
-    uint32_t* pass = out.data() + r / kRows * pairs * kRows + r % kRows;
-    for (int64_t kp = 0; kp < pairs; ++kp) std::memcpy(pass + kp * kRows, x + r * k_size + 2 * kp, sizeof(uint32_t));
+    const int64_t first = r / kRows * kRows, rows = std::min(kRows, m - first);
+    uint32_t* pass = out.data() + first * pairs + (r - first);
+    for (int64_t kp = 0; kp < pairs; ++kp) std::memcpy(pass + kp * rows, x + r * k_size + 2 * kp, sizeof(uint32_t));
   }
   return out;
 }
@@ -251,8 +252,8 @@ void StripPanels(ffi::ThreadPool& pool, const uint16_t* x, int64_t m, int64_t k_
           return Prefetch::Share(weights + (first + count) * strip_size, next_bytes, r / kRows, passes, k_size / 2);
         };
         Panel<Out, kSwiGLU, true>(xi, m, r, k_size, w + first * strip_size,
-                                  kSwiGLU ? up + first * strip_size : nullptr, strip_size, 2 * kLanes, count * kLanes, y,
-                                  n, first * kLanes, next(w), kSwiGLU ? next(up) : Prefetch{});
+                                  kSwiGLU ? up + first * strip_size : nullptr, strip_size, 2 * kLanes, count * kLanes,
+                                  y, n, first * kLanes, next(w), kSwiGLU ? next(up) : Prefetch{});
       }
     }
   });

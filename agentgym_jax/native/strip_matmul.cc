@@ -32,8 +32,8 @@ namespace {
 
 constexpr int64_t kLanes = 16, kStripsPerPanel = 3, kRowsPerPass = 8, kMaxRows = 256;
 
-// y[0:R, 16 S columns] for x's R rows (one pass of InterleaveRows' layout: x[k * kRowsPerPass + r]) against S strips
-// starting at `strip` (stride k_size * 16).
+// y[0:R, 16 S columns] for x's R rows (one pass of InterleaveRows' layout: x[k R + r]) against S strips starting at
+// `strip` (stride k_size * 16).
 template <int R, int S>
 void Block(const float* x, int64_t k_size, const float* strip, float* y, int64_t n, const agentgym::Prefetch& next) {
   __m512 acc[R][S];
@@ -48,7 +48,7 @@ void Block(const float* x, int64_t k_size, const float* strip, float* y, int64_t
     for (int s = 0; s < S; ++s) w[s] = _mm512_loadu_ps(strip + s * k_size * kLanes + k * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[k * kRowsPerPass + r]);
+      const __m512 xr = _mm512_set1_ps(x[k * R + r]);
 #pragma GCC unroll 3
       for (int s = 0; s < S; ++s) acc[r][s] = _mm512_fmadd_ps(xr, w[s], acc[r][s]);
     }
@@ -74,19 +74,22 @@ void Rows(int64_t rows, const float* x, int64_t k_size, const float* strip, floa
   }
 }
 
-// x [M, K] as its passes of 8 rows, each [K][8] (row r's x[r, k] at k 8 + r; zeros past M): a pass's broadcasts read
-// one stream at fixed offsets, where eight row pointers and the prefetch's state had spilled the loop's registers.
+// x [M, K] as its passes of 8 rows (the last may hold fewer, R), each [K][R] (row r's x[r, k] at k R + r of its pass):
+// a pass's broadcasts read one stream at fixed offsets, where eight row pointers and the prefetch's state had spilled
+// the loop's registers. One row is x itself.
 std::vector<float> InterleaveRows(const float* x, int64_t m, int64_t k_size) {
-  std::vector<float> out((m + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass * k_size, 0.0f);
+  std::vector<float> out(m * k_size);
   for (int64_t r = 0; r < m; ++r) {
-    float* pass = out.data() + r / kRowsPerPass * k_size * kRowsPerPass + r % kRowsPerPass;
-    for (int64_t k = 0; k < k_size; ++k) pass[k * kRowsPerPass] = x[r * k_size + k];
+    const int64_t first = r / kRowsPerPass * kRowsPerPass, rows = std::min(kRowsPerPass, m - first);
+    float* pass = out.data() + first * k_size + (r - first);
+    for (int64_t k = 0; k < k_size; ++k) pass[k * rows] = x[r * k_size + k];
   }
   return out;
 }
 
 // y[:, 48 p0 : 48 p1] (the last panel may hold fewer than 3 strips): each panel's strips against all of x's rows
-// (interleaved: InterleaveRows), 8 rows per pass, each of several passes also bringing a share of the next panel into L2 (agentgym::Prefetch).
+// (interleaved: InterleaveRows), 8 rows per pass, each of several passes also bringing a share of the next panel into
+// L2 (agentgym::Prefetch).
 void Panels(const float* x, int64_t m, int64_t k_size, const float* packed, int64_t n, int64_t p0, int64_t p1,
             float* y) {
   const int64_t strips = n / kLanes, passes = (m + kRowsPerPass - 1) / kRowsPerPass;
