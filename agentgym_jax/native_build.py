@@ -31,7 +31,8 @@ ENV_VAR = "AGENTGYM_JAX_NATIVE_KERNELS"
 NATIVE_DIR = Path(__file__).with_name("native")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 SHARED_HEADERS = tuple(NATIVE_DIR / name for name in ("parallel.h", "vector_math.h", "amx.h", "amx_blocks.h",
-                                                      "bf16_pairs.h", "prefetch.h"))
+                                                      "bf16_pairs.h", "prefetch.h",
+                                                      "pass_rows.h"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,13 +17,13 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "bf16_pairs.h"
 #include "parallel.h"
+#include "pass_rows.h"
 #include "prefetch.h"
 #include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
@@ -56,8 +56,8 @@ inline void Store(uint16_t* y, __m512 sums) {
 }
 
 // y[0:R, 16 S columns] (row stride n) for x's R rows (row stride k_size; kInterleaved: their pairs [K/2][R], see
-// InterleaveRows) against S strips of pair rows: strip s's pair row kp (16 columns x 2) at w + s * strip_stride + kp *
-// row_stride (a panel's strips share each pair row; a decode step's packed strips are each one stream).
+// agentgym::PassRows) against S strips of pair rows: strip s's pair row kp (16 columns x 2) at w + s * strip_stride +
+// kp * row_stride (a panel's strips share each pair row; a decode step's packed strips are each one stream).
 template <int R, int S, typename Out, bool kPrefetch, bool kInterleaved>
 void Block(const uint16_t* x, int64_t k_size, const uint16_t* w, int64_t strip_stride, int64_t row_stride, Out* y,
            int64_t n, const Prefetch& prefetch) {
@@ -130,7 +130,7 @@ void StoreSwiGLU(const float* gate, const float* up, int64_t rows, int64_t width
 
 // One panel (`width` columns, strips at w with the given strides) for rows [r, r + kRows) of x: into y[:, col:], or
 // with an up panel (kSwiGLU), silu(x @ panel) * (x @ up panel) into bf16 y, neither product leaving L1. kInterleaved:
-// x is InterleaveRows' layout.
+// x is agentgym::PassRows' layout.
 template <typename Out, bool kSwiGLU, bool kInterleaved = false>
 void Panel(const uint16_t* x, int64_t m, int64_t r, int64_t k_size, const uint16_t* w, const uint16_t* up,
            int64_t strip_stride, int64_t row_stride, int64_t width, Out* y, int64_t n, int64_t col,
@@ -215,21 +215,6 @@ const char* StripShapesError(ffi::Span<const int64_t> xd, ffi::Span<const int64_
   return "";
 }
 
-// x [M, K] as its passes of kRows rows (the last may hold fewer, R), each [K/2][R] pairs (the pair of row r at k 2kp,
-// 2kp + 1 in word kp R + r of its pass): a pass's broadcasts then read one stream at fixed offsets, where eight row
-// pointers and the prefetch's state had spilled the loop's registers (a batch-32 decode step's products ran at ~80% of
-// the dot-product peak against the prefill's 92-97%). One row is x itself.
-std::vector<uint32_t> InterleaveRows(const uint16_t* x, int64_t m, int64_t k_size) {
-  const int64_t pairs = k_size / 2;
-  std::vector<uint32_t> out(m * pairs);
-  for (int64_t r = 0; r < m; ++r) {
-    const int64_t first = r / kRows * kRows, rows = std::min(kRows, m - first);
-    uint32_t* pass = out.data() + first * pairs + (r - first);
-    for (int64_t kp = 0; kp < pairs; ++kp) std::memcpy(pass + kp * rows, x + r * k_size + 2 * kp, sizeof(uint32_t));
-  }
-  return out;
-}
-
 // y for x's rows against the strips packed at w (and, kSwiGLU, silu of that times x against those at up): each thread
 // takes a range of three-strip panels; rows past the first 8 read the panel's strips again, from L2, and each pass
 // over a panel also brings a share of the thread's next panel into L2 (Prefetch).
@@ -238,7 +223,7 @@ void StripPanels(ffi::ThreadPool& pool, const uint16_t* x, int64_t m, int64_t k_
                  const uint16_t* up, int64_t strips, Out* y) {
   const int64_t strip_size = k_size * kLanes, n = strips * kLanes;  // bf16 numbers in a strip; columns
   const int64_t passes = (m + kRows - 1) / kRows;
-  const std::vector<uint32_t> pairs = InterleaveRows(x, m, k_size);
+  const std::vector<uint32_t> pairs = agentgym::PassRows<uint32_t>(x, m, k_size / 2, kRows);
   const auto* xi = reinterpret_cast<const uint16_t*>(pairs.data());
   agentgym::Parallel(pool, (strips + kStripsPerPanel - 1) / kStripsPerPanel, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {

@@ -16,9 +16,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "parallel.h"
+#include "pass_rows.h"
 #include "prefetch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -32,7 +32,7 @@ namespace {
 
 constexpr int64_t kLanes = 16, kStripsPerPanel = 3, kRowsPerPass = 8, kMaxRows = 256;
 
-// y[0:R, 16 S columns] for x's R rows (one pass of InterleaveRows' layout: x[k R + r]) against S strips starting at
+// y[0:R, 16 S columns] for x's R rows (one pass of agentgym::PassRows' layout: x[k R + r]) against S strips starting at
 // `strip` (stride k_size * 16).
 template <int R, int S>
 void Block(const float* x, int64_t k_size, const float* strip, float* y, int64_t n, const agentgym::Prefetch& next) {
@@ -74,22 +74,9 @@ void Rows(int64_t rows, const float* x, int64_t k_size, const float* strip, floa
   }
 }
 
-// x [M, K] as its passes of 8 rows (the last may hold fewer, R), each [K][R] (row r's x[r, k] at k R + r of its pass):
-// a pass's broadcasts read one stream at fixed offsets, where eight row pointers and the prefetch's state had spilled
-// the loop's registers. One row is x itself.
-std::vector<float> InterleaveRows(const float* x, int64_t m, int64_t k_size) {
-  std::vector<float> out(m * k_size);
-  for (int64_t r = 0; r < m; ++r) {
-    const int64_t first = r / kRowsPerPass * kRowsPerPass, rows = std::min(kRowsPerPass, m - first);
-    float* pass = out.data() + first * k_size + (r - first);
-    for (int64_t k = 0; k < k_size; ++k) pass[k * rows] = x[r * k_size + k];
-  }
-  return out;
-}
-
 // y[:, 48 p0 : 48 p1] (the last panel may hold fewer than 3 strips): each panel's strips against all of x's rows
-// (interleaved: InterleaveRows), 8 rows per pass, each of several passes also bringing a share of the next panel into
-// L2 (agentgym::Prefetch).
+// (interleaved: agentgym::PassRows), 8 rows per pass, each of several passes also bringing a share of the next panel
+// into L2 (agentgym::Prefetch).
 void Panels(const float* x, int64_t m, int64_t k_size, const float* packed, int64_t n, int64_t p0, int64_t p1,
             float* y) {
   const int64_t strips = n / kLanes, passes = (m + kRowsPerPass - 1) / kRowsPerPass;
@@ -125,7 +112,7 @@ ffi::Error StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t m = xd[0], k_size = xd[1], n = yd[1];
   if (m < 1 || m > kMaxRows) return ffi::Error::InvalidArgument("strip_matmul: needs 1 <= M <= 256");
   const int64_t panels = (n / kLanes + kStripsPerPanel - 1) / kStripsPerPanel;
-  const std::vector<float> rows = InterleaveRows(x.typed_data(), m, k_size);
+  const std::vector<float> rows = agentgym::PassRows<float>(x.typed_data(), m, k_size, kRowsPerPass);
   const float* xp = rows.data();
   const float* wp = packed.typed_data();
   float* yp = y->typed_data();
