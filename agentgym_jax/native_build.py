@@ -151,3 +151,16 @@ def avx512_available() -> bool:
 def avx512_bf16_available() -> bool:
     """Whether this CPU has AVX512-BF16 dot products (what :func:`bf16_gemm` is written in)."""
     return "avx512_bf16" in _cpu_flags().split()
+
+
+@functools.cache
+def pair_strips_available() -> bool:
+    """Whether this CPU has what ``native/pair_strips.cc`` is written in (AVX-512F and AVX-512BW)."""
+    flags = _cpu_flags().split()
+    return "avx512f" in flags and "avx512bw" in flags
+
+
+def widened_bf16_available() -> bool:
+    """Whether bf16 products on packed strips widen their numbers to fp32 FMAs (``native/pair_strips.cc``): on an
+    AVX-512 CPU without AVX512-BF16 dot products (which the AVX512-BF16 and AMX kernels use where present)."""
+    return pair_strips_available() and not avx512_bf16_available()

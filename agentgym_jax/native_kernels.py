@@ -10,10 +10,12 @@
   OS that grants it). Inside :func:`packed_projections` (the generate program's decode loop) the same products
   read weights packed once (:func:`pack_for_amx`, :func:`amx_matmul_packed`): by the sampler once per
   parameter update (:mod:`agentgym_jax.prepacked`), else by the program before its loop.
-- :func:`strip_matmul` (``native/strip_matmul.cc``; bf16: ``native/bf16_gemm.cc``): fp32 projections of at most
-  256 rows (and bf16 ones of at most 32 on CPUs with AVX512-BF16 and no AMX) inside :func:`packed_projections`,
-  on weights packed once into 16-column strips (:func:`pack_strips`; AVX-512; as above), where
-  :func:`strip_matmul_applies`.
+- :func:`strip_matmul` (``native/strip_matmul.cc``; bf16: ``native/bf16_gemm.cc``, ``native/pair_strips.cc``): fp32
+  projections of at most 256 rows (and bf16 ones of at most 32 on CPUs with AVX512-BF16 and no AMX) inside
+  :func:`packed_projections`, on weights packed once into 16-column strips (:func:`pack_strips`; AVX-512; as
+  above), where :func:`strip_matmul_applies`. On AVX-512 CPUs without AVX512-BF16 (:func:`widened_bf16_available`)
+  bf16 projections of up to 256 rows there, and a prefill's bf16 products of any number of rows on the sampler's
+  strips, widen the bf16 weights to fp32 FMAs in registers (:func:`widened_strip_matmul`).
 - :func:`bf16_gemm` (``native/bf16_gemm.cc``): bf16 products of more than 32 rows (prefill, the training forward
   pass) with AVX512-BF16 dot products, on CPUs that have them and no AMX, where :func:`bf16_gemm_applies`.
 - :func:`bf16_swiglu` (``native/bf16_gemm.cc``): the MLP's gate and up products and SwiGLU in one pass while
@@ -42,7 +44,7 @@ import numpy as np
 
 from agentgym_jax import attention, native_build, prepacked
 from agentgym_jax.native_build import (AMX_FLAGS, Kernel, amx_available, avx512_available, avx512_bf16_available,
-                                       build, enabled, register)
+                                       build, enabled, pair_strips_available, register, widened_bf16_available)
 
 ENV_VAR = native_build.ENV_VAR  # the switch's name, here too for the callers of this module
 
@@ -69,7 +71,8 @@ AMX_ATTENTION_BACKWARD = Kernel("amx_attention", "AgentgymAmxAttentionBackward",
 STRIP_MATMUL = Kernel("strip_matmul", "AgentgymStripMatmul", "agentgym_strip_matmul")
 STRIP_PACK = Kernel("strip_matmul", "AgentgymStripPack", "agentgym_strip_pack")
 STRIP_MATMUL_BF16 = Kernel("bf16_gemm", "AgentgymBf16StripMatmul", "agentgym_bf16_strip_matmul")
-STRIP_PACK_BF16 = Kernel("bf16_gemm", "AgentgymBf16StripPack", "agentgym_bf16_strip_pack")
+STRIP_PACK_BF16 = Kernel("pair_strips", "AgentgymBf16StripPack", "agentgym_bf16_strip_pack")
+WIDENED_STRIP_MATMUL = Kernel("pair_strips", "AgentgymWidenedStripMatmul", "agentgym_widened_strip_matmul")
 BF16_GEMM = Kernel("bf16_gemm", "AgentgymBf16Gemm", "agentgym_bf16_gemm")
 BF16_SWIGLU = Kernel("bf16_gemm", "AgentgymBf16SwiGLU", "agentgym_bf16_swiglu")
 BF16_STRIP_SWIGLU = Kernel("bf16_gemm", "AgentgymBf16StripSwiGLU", "agentgym_bf16_strip_swiglu")
@@ -171,7 +174,7 @@ def packing_projections() -> bool:
 
 def packed_max_rows(dtype: object) -> int:
     """The most rows for which a decode loop's products in ``dtype`` read packed weights (more take other kernels)."""
-    return STRIP_MAX_ROWS if jnp.dtype(dtype) == jnp.float32 else AMX_MAX_ROWS
+    return STRIP_MAX_ROWS if jnp.dtype(dtype) == jnp.float32 or widened_bf16_available() else AMX_MAX_ROWS
 
 
 _inference = contextvars.ContextVar("agentgym_jax_inference_only", default=False)
@@ -265,22 +268,27 @@ def amx_matmul_packed(x: jax.Array, packed: jax.Array) -> jax.Array:
 
 def strip_matmul_applies(x: jax.Array, w: jax.Array, transposed: bool) -> bool:
     """Whether :func:`mixed_matmul.mixed_dot` computes ``x @ w`` (``x @ w.T`` when ``transposed``) with
-    :func:`strip_matmul` in a program traced now: at most :data:`STRIP_MAX_ROWS` rows in fp32 (:data:`AMX_MAX_ROWS`
-    in bf16), an output count that is a multiple of :data:`STRIP_LANES`, inside :func:`packed_projections` or with
-    w's strips given by the sampler (a prefill piece of few positions: :func:`agentgym_jax.prepacked.given`),
-    native kernels enabled (:func:`enabled`);
-    fp32 operands on a CPU with AVX-512 (:func:`avx512_available`), or bf16 ones with an even K on a CPU with
-    AVX512-BF16 and no AMX (where :func:`amx_matmul_packed` takes them)."""
+    :func:`strip_matmul` in a program traced now: an output count that is a multiple of :data:`STRIP_LANES`, inside
+    :func:`packed_projections` or with w's strips given by the sampler (a prefill: :func:`agentgym_jax.prepacked.given`),
+    native kernels enabled (:func:`enabled`), and
+    fp32 operands of at most :data:`STRIP_MAX_ROWS` rows on a CPU with AVX-512 (:func:`avx512_available`); or bf16
+    ones with an even K, of at most :data:`AMX_MAX_ROWS` rows on a CPU with AVX512-BF16 and no AMX (where
+    :func:`amx_matmul_packed` takes them), or on an AVX-512 CPU without AVX512-BF16
+    (:func:`widened_bf16_available`) of at most :data:`STRIP_MAX_ROWS` rows in a packed loop and of any number in a
+    prefill."""
     rows = int(np.prod(x.shape[:-1]))
     outputs = w.shape[0] if transposed else w.shape[-1]
-    max_rows = STRIP_MAX_ROWS if x.dtype == jnp.float32 else AMX_MAX_ROWS
-    if x.dtype != w.dtype or w.ndim != 2 or not 1 <= rows <= max_rows or outputs % STRIP_LANES:
+    if x.dtype != w.dtype or w.ndim != 2 or rows < 1 or outputs % STRIP_LANES or not enabled():
         return False
-    strips = packing_projections() or prepacked.given(_strips_kind(transposed), (w,)) is not None
-    if x.dtype == jnp.bfloat16:
-        return (x.shape[-1] % 2 == 0 and strips and enabled() and avx512_bf16_available()
-                and not amx_available())
-    return x.dtype == jnp.float32 and strips and enabled() and avx512_available()
+    in_loop = packing_projections()
+    given = prepacked.given(_strips_kind(transposed), (w,)) is not None
+    if x.dtype == jnp.float32:
+        return (in_loop or given) and rows <= STRIP_MAX_ROWS and avx512_available()
+    if x.dtype != jnp.bfloat16 or x.shape[-1] % 2:
+        return False
+    if widened_bf16_available():
+        return (in_loop and rows <= STRIP_MAX_ROWS) or given
+    return (in_loop or given) and rows <= AMX_MAX_ROWS and avx512_bf16_available() and not amx_available()
 
 
 def _strips_kind(transposed: bool) -> str:
@@ -302,14 +310,26 @@ def pack_strips(w: jax.Array, transposed: bool = False) -> jax.Array:
 
 
 def strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
-    """``x @ w`` in fp32 for ``x`` [..., K] (at most :data:`STRIP_MAX_ROWS` rows in fp32, 32 in bf16) and ``packed``
-    = :func:`pack_strips` (w), both fp32 (FMAs) or both bf16 (AVX512-BF16 dot products, ``native/bf16_gemm.cc``):
-    each thread streams three strips at a time and keeps the outputs of 8 rows in registers across all of K (XLA's
-    dots ran these products at ~10 GB/s at 8 rows, half the memory bandwidth)."""
+    """``x @ w`` in fp32 for ``x`` [..., K] and ``packed`` = :func:`pack_strips` (w), both fp32 (FMAs, at most
+    :data:`STRIP_MAX_ROWS` rows) or both bf16 (AVX512-BF16 dot products, ``native/bf16_gemm.cc``, at most 32 rows;
+    on CPUs without them :func:`widened_strip_matmul`): each thread streams three strips at a time and keeps the
+    outputs of 8 rows in registers across all of K (XLA's dots ran these products at ~10 GB/s at 8 rows, half the
+    memory bandwidth)."""
     if x.dtype != packed.dtype:
         raise TypeError(f"strip_matmul needs x and the packed strips in one dtype, got {x.dtype} and {packed.dtype}")
+    if x.dtype == jnp.bfloat16 and widened_bf16_available():
+        return widened_strip_matmul(x, packed)
     kernel = STRIP_MATMUL_BF16 if x.dtype == jnp.bfloat16 else STRIP_MATMUL
     return _rows_product(kernel, x, packed.shape[0] * STRIP_LANES, packed)
+
+
+def widened_strip_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+    """``x @ w`` in fp32 for bf16 ``x`` [..., K] (any number of rows) and ``packed`` = :func:`pack_strips` (w) in
+    bf16, with fp32 FMAs on the bf16 numbers widened in registers (``native/pair_strips.cc``; AVX-512F and BW): what
+    :func:`strip_matmul` runs on CPUs without AVX512-BF16, where XLA's bf16 dots ran slower than its fp32 ones."""
+    if x.dtype != jnp.bfloat16 or packed.dtype != jnp.bfloat16:
+        raise TypeError(f"widened_strip_matmul takes bf16 x and strips, got {x.dtype} and {packed.dtype}")
+    return _rows_product(WIDENED_STRIP_MATMUL, x, packed.shape[0] * STRIP_LANES, packed)
 
 
 def token_pick_applies(logits: jax.Array) -> bool:
@@ -454,6 +474,8 @@ if __name__ == "__main__":  # `make setup`: build (or find) the libraries once
     if avx512_available():
         print(build(STRIP_MATMUL))
         print(build(TOKEN_PICK))
+    if pair_strips_available():
+        print(build(STRIP_PACK_BF16))
     if avx512_bf16_available():
         print(build(BF16_GEMM))
         print(build(BF16_ATTENTION))

@@ -1,5 +1,7 @@
 """Decode projections on weights packed into strips (``native/strip_matmul.cc``), fp32 and (on CPUs without AMX)
-bf16: the layout, the products against numpy's, where mixed_dot takes them, and the sampler's decode loop on them."""
+bf16: the layout, the products against numpy's, where mixed_dot takes them, and the sampler's decode loop on them.
+bf16 strips run AVX512-BF16 dot products (``native/bf16_gemm.cc``) or, on AVX-512 CPUs without them, fp32 FMAs on
+the widened numbers (``native/pair_strips.cc``; more in tests/test_pair_strips.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +16,12 @@ from tests.test_sampling import _pair
 
 pytestmark = pytest.mark.skipif(not native_kernels.avx512_available(), reason="this CPU has no AVX-512")
 PACK, PRODUCT = native_kernels.STRIP_PACK.target, native_kernels.STRIP_MATMUL.target
-PACK_BF16, PRODUCT_BF16 = native_kernels.STRIP_PACK_BF16.target, native_kernels.STRIP_MATMUL_BF16.target
-BF16_STRIPS = native_kernels.avx512_bf16_available() and not native_kernels.amx_available()
+WIDENED = native_kernels.widened_bf16_available()
+PACK_BF16 = native_kernels.STRIP_PACK_BF16.target
+PRODUCT_BF16 = (native_kernels.WIDENED_STRIP_MATMUL if WIDENED else native_kernels.STRIP_MATMUL_BF16).target
+BF16_STRIPS = WIDENED or (native_kernels.avx512_bf16_available() and not native_kernels.amx_available())
 DTYPES = [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.skipif(
-    not BF16_STRIPS, reason="bf16 strips need AVX512-BF16, and AMX tiles take bf16 decode products where present"))]
+    not BF16_STRIPS, reason="AMX tiles take bf16 decode products where present"))]
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -30,7 +34,7 @@ def test_fp32_strips_hold_sixteen_columns_row_after_row(transposed, k):
     np.testing.assert_array_equal(packed, w.reshape(k, 3, 16).transpose(1, 0, 2))  # strip s, row k, lane c
 
 
-@pytest.mark.skipif(not BF16_STRIPS, reason="bf16 strips need AVX512-BF16 and no AMX")
+@pytest.mark.skipif(not BF16_STRIPS, reason="AMX tiles take bf16 decode products where present")
 @pytest.mark.parametrize("transposed", [False, True])
 def test_bf16_strips_hold_sixteen_columns_in_pairs_of_rows(transposed):
     w = np.arange(8 * 48, dtype=np.float32).reshape(8, 48) - 192  # K = 8, N = 48; |w| <= 192: integers in bf16
@@ -136,7 +140,7 @@ def test_fp32_sampling_on_strips_gives_xlas_tokens_and_logprobs(tmp_path_factory
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.skipif(not BF16_STRIPS, reason="bf16 strips need AVX512-BF16 and no AMX")
+@pytest.mark.skipif(not BF16_STRIPS, reason="AMX tiles take bf16 decode products where present")
 def test_bf16_sampling_on_strips_gives_xlas_tokens_and_logprobs(tmp_path_factory, monkeypatch):
     _use_native_kernels(monkeypatch, "1")
     _, _, model_dir = _pair("llama-gqa-tied", tmp_path_factory)

@@ -40,16 +40,6 @@ namespace {
 constexpr int64_t kLanes = 16, kStripsPerPanel = 3, kPanelWidth = kLanes * kStripsPerPanel, kRows = 8;
 constexpr int64_t kGroupBytes = 512 << 10;
 
-// Columns [col, col + width) of w [K, N] as pair rows [K/2][width][2] (K even, width a multiple of 16).
-void PackPanel(const uint16_t* w, int64_t k_size, int64_t n, int64_t col, int64_t width, uint16_t* out) {
-  for (int64_t kp = 0; kp < k_size / 2; ++kp) {
-    const uint16_t* even = w + 2 * kp * n + col;
-    uint16_t* row = out + kp * width * 2;
-    for (int64_t c = 0; c < width; c += kLanes)
-      _mm512_storeu_si512(row + 2 * c, agentgym::InterleavePairs(even + c, even + n + c));
-  }
-}
-
 inline void Store(float* y, __m512 sums) { _mm512_storeu_ps(y, sums); }
 inline void Store(uint16_t* y, __m512 sums) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), agentgym::RoundToBf16(sums));
@@ -165,8 +155,8 @@ void Panels(const uint16_t* x, int64_t m, int64_t k_size, const uint16_t* w, int
       return packed.data() + ((p - g0) * kWeights + which) * panel_size;
     };
     for (int64_t p = g0; p < g1; ++p) {
-      PackPanel(w, k_size, n, p * kPanelWidth, width(p), panel(p, 0));
-      if constexpr (kSwiGLU) PackPanel(up_w, k_size, n, p * kPanelWidth, width(p), panel(p, 1));
+      agentgym::PackPairPanel(w, k_size, n, p * kPanelWidth, width(p), panel(p, 0));
+      if constexpr (kSwiGLU) agentgym::PackPairPanel(up_w, k_size, n, p * kPanelWidth, width(p), panel(p, 1));
     }
     for (int64_t r = 0; r < m; r += kRows)
       for (int64_t p = g0; p < g1; ++p)
@@ -245,8 +235,8 @@ void StripPanels(ffi::ThreadPool& pool, const uint16_t* x, int64_t m, int64_t k_
 }
 
 // A decode step's bf16 projections, y [M, N] fp32 = x [M, K] @ w for M <= 32, on w packed once per parameter update by
-// Bf16StripPack into strips of pair rows [N/16, K/2, 16, 2] (fp32 strip_matmul's scheme, with half the bytes and
-// half the instructions: no widening, two k per dot product).
+// Bf16StripPack (pair_strips.cc) into strips of pair rows [N/16, K/2, 16, 2] (fp32 strip_matmul's scheme, with half
+// the bytes and half the instructions: no widening, two k per dot product).
 ffi::Error Bf16StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,
                            ffi::ResultBuffer<ffi::F32> y) {
   const std::string error = StripShapesError(x.dimensions(), packed.dimensions(), y->dimensions());
@@ -256,7 +246,7 @@ ffi::Error Bf16StripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::
   return ffi::Error::Success();
 }
 
-// The MLP's silu(x @ gate) * (x @ up) in one pass for a decode step, bf16 out, on both packed by Bf16StripPack.
+// The MLP's silu(x @ gate) * (x @ up) in one pass for a decode step, bf16 out, on both packed by Bf16StripPack (pair_strips.cc).
 ffi::Error Bf16StripSwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> gate,
                            ffi::Buffer<ffi::BF16> up, ffi::ResultBuffer<ffi::BF16> y) {
   std::string error = StripShapesError(x.dimensions(), gate.dimensions(), y->dimensions());
@@ -286,37 +276,6 @@ ffi::Error Bf16SwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// packed [N/16, K/2, 16, 2] from w [K, N] (transposed: w [N, K], a tied output head): strip s, pair row kp, lane c
-// holds w[2kp, 16s + c] and w[2kp + 1, 16s + c] (transposed: w[16s + c, 2kp] and w[16s + c, 2kp + 1], one 32-bit
-// word of w's row, gathered 16 rows at a time).
-ffi::Error Bf16StripPack(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, bool transposed,
-                         ffi::ResultBuffer<ffi::BF16> packed) {
-  const auto wd = w.dimensions(), pd = packed->dimensions();
-  const int64_t k_size = wd.size() == 2 ? wd[transposed ? 1 : 0] : 0, n = wd.size() == 2 ? wd[transposed ? 0 : 1] : 0;
-  if (wd.size() != 2 || n % kLanes || k_size % 2 || pd.size() != 4 || pd[0] * kLanes != n || 2 * pd[1] != k_size
-      || pd[2] != kLanes || pd[3] != 2)
-    return ffi::Error::InvalidArgument(
-        "bf16_strip_pack: w [K, N] (transposed: [N, K]) with K even and N a multiple of 16, and packed "
-        "[N/16, K/2, 16, 2] expected");
-  const uint16_t* wp = Bits(w);
-  auto* out = reinterpret_cast<uint16_t*>(packed->untyped_data());
-  const int64_t strip_size = k_size * kLanes;
-  agentgym::Parallel(pool, n / kLanes, [&](int64_t begin, int64_t end) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int>(k_size / 2)));
-    for (int64_t s = begin; s < end; ++s) {
-      if (!transposed) {
-        PackPanel(wp, k_size, n, s * kLanes, kLanes, out + s * strip_size);
-        continue;
-      }
-      const auto* words = reinterpret_cast<const int32_t*>(wp + s * kLanes * k_size);
-      for (int64_t kp = 0; kp < k_size / 2; ++kp)
-        _mm512_storeu_si512(out + s * strip_size + kp * 2 * kLanes, _mm512_i32gather_epi32(rows, words + kp, 4));
-    }
-  });
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16Gemm, Bf16Gemm,
@@ -326,10 +285,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16Gemm, Bf16Gemm,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16StripMatmul, Bf16StripMatmul,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16StripPack, Bf16StripPack,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<bool>("transposed").Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentgymBf16StripSwiGLU, Bf16StripSwiGLU,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()

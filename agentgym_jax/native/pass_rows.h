@@ -1,4 +1,4 @@
-// The decode strips' x laid out pass by pass; shared by the strip kernels (strip_matmul.cc, bf16_gemm.cc).
+// The strips' x laid out pass by pass; shared by the strip kernels (strip_matmul.cc, bf16_gemm.cc, pair_strips.cc).
 #pragma once
 
 #include <algorithm>
@@ -22,6 +22,20 @@ std::vector<T> PassRows(const void* x, int64_t m, int64_t words, int64_t per_pas
     const int64_t first = r / per_pass * per_pass, rows = std::min(per_pass, m - first);
     T* pass = out.data() + first * words + (r - first);
     for (int64_t j = 0; j < words; ++j) std::memcpy(pass + j * rows, in + (r * words + j) * sizeof(T), sizeof(T));
+  }
+  return out;
+}
+
+// bf16 x (its bits, m rows of k numbers) widened to fp32 in PassRows' layout: number j of row r at j R + r of its pass.
+inline std::vector<float> WidenedPassRows(const uint16_t* x, int64_t m, int64_t k, int64_t per_pass) {
+  std::vector<float> out(m * k);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t first = r / per_pass * per_pass, rows = std::min(per_pass, m - first);
+    float* pass = out.data() + first * k + (r - first);
+    for (int64_t j = 0; j < k; ++j) {
+      const uint32_t bits = uint32_t{x[r * k + j]} << 16;
+      std::memcpy(pass + j * rows, &bits, sizeof(bits));
+    }
   }
   return out;
 }
