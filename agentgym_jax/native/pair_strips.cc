@@ -7,7 +7,7 @@
 // against 33 ms). Here a product reads w's bf16 numbers (half the bytes of fp32 weights) and widens each 64-byte pair
 // row in registers: a 32-bit lane holds w[2kp, c] in its low and w[2kp + 1, c] in its high half, so w[2kp + 1, c] is
 // the lane with its low half cleared and w[2kp, c] the lane shifted left by 16 (bf16 is fp32's upper half). x is
-// widened once per call into agentgym::WidenedPassRows' layout. Each 8 rows x 3 strips block keeps its 24 sums in
+// widened once per call into agentgym::PassRows' layout (agentgym::WidenPasses). Each 8 rows x 3 strips block keeps its 24 sums in
 // registers across all of K and multiplies each widened weight vector with every row, in the order k = 0, 1, 2, ...:
 // the sums of an fp32 dot of the widened operands, up to the FMAs' rounding. Decode-sized products (at most 64 rows)
 // go panel by panel, fetching the next panel into L2 during the current one's passes; a prefill's products of many
@@ -18,7 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "bf16_pairs.h"
 #include "parallel.h"
@@ -113,7 +113,7 @@ void Pass(int64_t rows, const float* x, int64_t k_size, const uint16_t* packed, 
     rows_of(std::integral_constant<int, 1>{});
 }
 
-// y[:, 48 p0 : 48 p1] for all m rows of x (agentgym::WidenedPassRows' layout, 8 rows a pass).
+// y[:, 48 p0 : 48 p1] for all m rows of x (widened, in agentgym::PassRows' layout, 8 rows a pass).
 void Panels(const float* x, int64_t m, int64_t k_size, const uint16_t* packed, int64_t strips, int64_t p0, int64_t p1,
             float* y) {
   const int64_t n = strips * kLanes, passes = (m + kRowsPerPass - 1) / kRowsPerPass;
@@ -152,12 +152,19 @@ ffi::Error WidenedStripMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ff
       || yd[0] != xd[0] || yd[1] != pd[0] * kLanes || xd[0] < 1)
     return ffi::Error::InvalidArgument(
         "widened_strip_matmul: x [M, K] (M >= 1), packed [N/16, K/2, 16, 2] and y [M, N] expected");
-  const int64_t m = xd[0], k_size = xd[1], strips = pd[0];
-  const std::vector<float> rows = agentgym::WidenedPassRows(Bits(x), m, k_size, kRowsPerPass);
+  const int64_t m = xd[0], k_size = xd[1], strips = pd[0], passes = (m + kRowsPerPass - 1) / kRowsPerPass;
+  const std::unique_ptr<float[]> rows(new float[m * k_size]);  // every element written below
+  const auto widen = [&](int64_t begin, int64_t end) {
+    agentgym::WidenPasses(Bits(x), m, k_size, kRowsPerPass, begin, end, rows.get());
+  };
+  if (m > kMaxDecodeRows)
+    agentgym::Parallel(pool, passes, widen);
+  else
+    widen(0, passes);  // a few microseconds: not worth waking a thread
   const uint16_t* wp = Bits(packed);
   float* yp = y->typed_data();
   agentgym::Parallel(pool, (strips + kStripsPerPanel - 1) / kStripsPerPanel, [&](int64_t begin, int64_t end) {
-    Panels(rows.data(), m, k_size, wp, strips, begin, end, yp);
+    Panels(rows.get(), m, k_size, wp, strips, begin, end, yp);
   });
   return ffi::Error::Success();
 }

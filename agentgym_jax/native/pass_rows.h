@@ -26,18 +26,20 @@ std::vector<T> PassRows(const void* x, int64_t m, int64_t words, int64_t per_pas
   return out;
 }
 
-// bf16 x (its bits, m rows of k numbers) widened to fp32 in PassRows' layout: number j of row r at j R + r of its pass.
-inline std::vector<float> WidenedPassRows(const uint16_t* x, int64_t m, int64_t k, int64_t per_pass) {
-  std::vector<float> out(m * k);
-  for (int64_t r = 0; r < m; ++r) {
-    const int64_t first = r / per_pass * per_pass, rows = std::min(per_pass, m - first);
-    float* pass = out.data() + first * k + (r - first);
-    for (int64_t j = 0; j < k; ++j) {
-      const uint32_t bits = uint32_t{x[r * k + j]} << 16;
-      std::memcpy(pass + j * rows, &bits, sizeof(bits));
-    }
+// Passes [p0, p1) of bf16 x (its bits, m rows of k numbers) widened to fp32 into out (m x k floats) in PassRows'
+// layout: number j of row r at j R + r of its pass. Written in order, reading the pass's rows side by side.
+inline void WidenPasses(const uint16_t* x, int64_t m, int64_t k, int64_t per_pass, int64_t p0, int64_t p1,
+                        float* out) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t first = p * per_pass, rows = std::min(per_pass, m - first);
+    const uint16_t* in = x + first * k;
+    float* pass = out + first * k;
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint32_t bits = uint32_t{in[r * k + j]} << 16;
+        std::memcpy(pass + j * rows + r, &bits, sizeof(bits));
+      }
   }
-  return out;
 }
 
 }  // namespace agentgym
