@@ -16,7 +16,9 @@ fp32, products of at most 256 rows inside :func:`native_kernels.packed_projectio
 bf16 products of more than 32 rows (prompt prefill, the training forward pass) run :func:`native_kernels.amx_gemm`
 (:func:`native_kernels.amx_gemm_applies`), or on CPUs with AVX512-BF16 and no AMX :func:`native_kernels.bf16_gemm`,
 and bf16 products of at most 32 rows inside :func:`native_kernels.packed_projections` there run
-:func:`native_kernels.strip_matmul` as fp32 ones do.
+:func:`native_kernels.strip_matmul` as fp32 ones do. On AVX-512 CPUs without AVX512-BF16, bf16 products on the
+sampler's strips (the decode loop's, and its prefill's of any number of rows) run
+:func:`native_kernels.widened_strip_matmul`.
 """
 
 from __future__ import annotations

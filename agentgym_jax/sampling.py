@@ -148,7 +148,8 @@ class Sampler:
         """The decode loop's packs, which a prefill reads too: on AMX CPUs its bf16 products of many rows take the
         AMX panels (native_kernels.amx_gemm), and its products of few positions (a piece of at most
         native_kernels.packed_max_rows rows x tokens) take the strips that the decode loop's fp32 products (and
-        bf16 ones on CPUs with AVX512-BF16 and no AMX) read, at 1.2-2.5x the rate of XLA's dots there. Made once
+        bf16 ones on CPUs with AVX512-BF16 and no AMX) read, at 1.2-2.5x the rate of XLA's dots there; on AVX-512
+        CPUs without AVX512-BF16 its bf16 products of any number of rows do (native_kernels.widened_strip_matmul). Made once
         per parameter update by the first prefill or generate call that needs them, held until release_packed."""
         return self._packed_weights(1)
 
