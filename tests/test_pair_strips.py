@@ -7,10 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentgym_jax import attention, hf, native_kernels, prefill
-from agentgym_jax.sampling import Sampler, SamplerConfig
-from tests.test_native_kernels import _use_native_kernels
+from agentgym_jax import attention, hf, native_kernels
 from tests.test_sampling import _pair
+from tests.test_strip_matmul import prefill_with_and_without_strips
 
 pytestmark = pytest.mark.skipif(not native_kernels.pair_strips_available(), reason="this CPU has no AVX-512F and BW")
 PRODUCT = native_kernels.WIDENED_STRIP_MATMUL.target
@@ -51,22 +50,13 @@ def test_the_widened_numbers_are_the_bf16_ones_exactly():
 
 @pytest.mark.skipif(not native_kernels.widened_bf16_available(), reason="AVX512-BF16 or AMX kernels take bf16 here")
 def test_a_bf16_prefill_of_many_positions_reads_the_decode_loops_strips(tmp_path_factory, monkeypatch):
-    _use_native_kernels(monkeypatch, "1")
     _, _, model_dir = _pair("llama-gqa-tied", tmp_path_factory)
     model = hf.load_model(model_dir, param_dtype="bfloat16", dtype="bfloat16")
-    program, compiled = prefill.prefill_program, []
-    monkeypatch.setattr(prefill, "prefill_program", lambda *a, **k: compiled.append(
-        program.lower(*a, **k).compile().as_text()) or program(*a, **k))
     rs = np.random.RandomState(0)
     many = [rs.randint(3, 200, 128).tolist() for _ in range(3)]  # 4 rows x 128 positions: 512 rows a product
-    caches = []
-    for strips in (True, False):
-        applies = native_kernels.strip_matmul_applies
-        monkeypatch.setattr(native_kernels, "strip_matmul_applies", lambda *a, on=strips: on and applies(*a))
-        jax.clear_caches()
-        sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_chunk=0, prefill_call_cost=0))
-        caches.append(sampler.prefill(sampler.new_state(4), many).cache)
-        assert bool(sampler._packed) == strips  # the strips are packed by the sampler, once per update
+    compiled, caches, samplers = prefill_with_and_without_strips(monkeypatch, model, [(4, many)])
+    caches = [only for only, in caches]
+    assert [bool(sampler._packed) for sampler in samplers] == [True, False]  # packed by the sampler, once per update
     assert PRODUCT in compiled[0] and native_kernels.STRIP_PACK_BF16.target not in compiled[0]
     assert PRODUCT not in compiled[1]
     for ours, xlas in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):

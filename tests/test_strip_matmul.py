@@ -165,16 +165,14 @@ def test_bf16_sampling_on_strips_gives_xlas_tokens_and_logprobs(tmp_path_factory
         np.testing.assert_allclose(a, b, atol=2e-2)
 
 
-def test_a_prefill_piece_of_few_positions_reads_the_decode_loops_strips(tmp_path_factory, monkeypatch):
+def prefill_with_and_without_strips(monkeypatch, model, calls):
+    """``sampler.prefill(sampler.new_state(rows), prompts)`` for each (rows, prompts) of ``calls`` on a fresh sampler,
+    first with strip products allowed, then with them off (programs traced anew each time). Returns the compiled
+    prefill programs' HLO texts in order, the caches of each pass's calls, and the two samplers."""
     _use_native_kernels(monkeypatch, "1")
-    _, _, model_dir = _pair("llama-gqa-tied", tmp_path_factory)
-    model = hf.load_model(model_dir)
     program, compiled = prefill.prefill_program, []
     monkeypatch.setattr(prefill, "prefill_program", lambda *a, **k: compiled.append(
         program.lower(*a, **k).compile().as_text()) or program(*a, **k))
-    rs = np.random.RandomState(0)
-    few = [rs.randint(3, 200, n).tolist() for n in (20, 25)]  # 2 rows x 32 positions
-    many = [rs.randint(3, 200, 128).tolist() for _ in range(3)]  # 4 rows x 128 positions: XLA's dots
     caches, samplers = [], []
     for strips in (True, False):
         applies = native_kernels.strip_matmul_applies
@@ -182,8 +180,18 @@ def test_a_prefill_piece_of_few_positions_reads_the_decode_loops_strips(tmp_path
         jax.clear_caches()
         sampler = Sampler(model, SamplerConfig(cache_length=160, prefill_chunk=0, prefill_call_cost=0))
         samplers.append(sampler)
-        caches.append(sampler.prefill(sampler.new_state(2), few).cache)
-        sampler.prefill(sampler.new_state(4), many)
+        caches.append([sampler.prefill(sampler.new_state(rows), prompts).cache for rows, prompts in calls])
+    return compiled, caches, samplers
+
+
+def test_a_prefill_piece_of_few_positions_reads_the_decode_loops_strips(tmp_path_factory, monkeypatch):
+    _, _, model_dir = _pair("llama-gqa-tied", tmp_path_factory)
+    rs = np.random.RandomState(0)
+    few = [rs.randint(3, 200, n).tolist() for n in (20, 25)]  # 2 rows x 32 positions
+    many = [rs.randint(3, 200, 128).tolist() for _ in range(3)]  # 4 rows x 128 positions: XLA's dots
+    compiled, caches, samplers = prefill_with_and_without_strips(monkeypatch, hf.load_model(model_dir),
+                                                                 [(2, few), (4, many)])
+    caches = [first for first, _ in caches]
     # the sampler's strips (packed once per parameter update) are an argument: the piece packs none itself
     assert PRODUCT in compiled[0] and PACK not in compiled[0] and len(samplers[0]._packed) == 2 * 7 + 1
     assert PRODUCT not in compiled[1] and PRODUCT not in compiled[2] + compiled[3]
